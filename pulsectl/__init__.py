@@ -1,0 +1,3 @@
+"""pulsectl: lossless, compact diffs of safetensors checkpoints."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""One exception hierarchy for pulsectl, with the exit codes the CLI maps them to.
+
+Exit codes (documented in docs/GUARANTEES.md and README.md):
+  0 ok, 1 error (bad or unreadable input, output problems), 2 usage, 3 integrity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTEGRITY = 3
+
+
+class PulseError(Exception):
+    """Base of every error pulsectl raises on purpose.
+
+    ``message`` is one line that names the object and the fix; the structured fields let
+    callers (and tests) inspect what went wrong without parsing text.
+    """
+
+    exit_code = EXIT_ERROR
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        tensor: str | None = None,
+        expected: str | None = None,
+        actual: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = str(path) if path is not None else None
+        self.tensor = tensor
+        self.expected = expected
+        self.actual = actual
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(PulseError):
+    """The command line asks for something that cannot be done (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(PulseError):
+    """An input is missing, unreadable or not what it claims to be (exit 1)."""
+
+
+class FormatError(InputError):
+    """A safetensors file or a .pulse header is malformed (exit 1)."""
+
+
+class OutputError(PulseError):
+    """The output cannot be written: it exists, the disk is full, the folder is read-only."""
+
+
+class IntegrityError(PulseError):
+    """Bytes are not what a fingerprint or checksum says they must be (exit 3).
+
+    Wrong base, out-of-order chain, damaged or truncated patch, target mismatch.
+    """
+
+    exit_code = EXIT_INTEGRITY
+
+
+class CorruptPatchError(IntegrityError):
+    """A .pulse file fails a checksum or ends early."""
