@@ -1,0 +1,3 @@
+from pulsectl.cli.app import run
+
+run()

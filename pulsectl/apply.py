@@ -1,0 +1,412 @@
+"""apply: a base checkpoint and a chain of patches in, the exact target checkpoint out.
+
+base fingerprint checked against the first patch (nothing written before that)
+  -> for each patch: PatchReader (file or pipe, frame by frame)
+     -> blocks decoded on a worker pool against the base (pread)
+     -> files written in order to a temp path in OUT's folder, hashed as written
+     -> trailer: file checksum and every target fingerprint checked
+  -> the verified temp renamed to OUT
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from pulsectl._atomic import check_target, install, os_error, remove, temp_path
+from pulsectl._io import default_workers, ordered_map
+from pulsectl.checkpoint import Checkpoint, TensorInfo
+from pulsectl.codecs import decode_block
+from pulsectl.diff import _Files
+from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, OutputError, UsageError
+from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
+from pulsectl.hashing import checkpoint_fingerprint, new_hasher
+from pulsectl.inventory import file_refs, fingerprint_of, scan_file
+from pulsectl.patch import FileRef, PatchHeader, header_from_json, trailer_from_json
+
+Progress = Callable[[int, int], None]
+PatchSource = str | Path | BinaryIO
+
+
+@dataclass(frozen=True)
+class ApplySummary:
+    output: Path
+    target_fingerprint: str
+    patches: int
+    target_bytes: int
+
+
+def open_patch(source: PatchSource, stdin: BinaryIO | None = None) -> tuple[PatchReader, BinaryIO]:
+    """Open a patch file, ``-`` (standard input) or a binary stream and read its header."""
+    if isinstance(source, (str, Path)):
+        if str(source) == "-":
+            stream = stdin or sys.stdin.buffer
+            name = "<stdin>"
+        else:
+            try:
+                stream = open(source, "rb")  # noqa: SIM115 - closed by the caller
+            except OSError as exc:
+                raise InputError(
+                    f"{source}: cannot open patch: {exc.strerror}", path=source
+                ) from exc
+            name = str(source)
+    else:
+        stream, name = source, getattr(source, "name", "<stream>")
+    return PatchReader(stream, str(name)), stream
+
+
+def read_header(reader: PatchReader) -> PatchHeader:
+    return header_from_json(reader.header, reader.name)
+
+
+def apply_patches(
+    base: str | Path,
+    patches: Sequence[PatchSource],
+    out: str | Path | None = None,
+    *,
+    in_place: bool = False,
+    force: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    stdin: BinaryIO | None = None,
+) -> ApplySummary:
+    """Apply ``patches`` in order to ``base`` and write the verified result to ``out``."""
+    base_path = Path(base)
+    if not patches:
+        raise UsageError("no patch given")
+    if sum(1 for p in patches if isinstance(p, (str, Path)) and str(p) == "-") > 1:
+        raise UsageError("standard input ('-') can be given as a patch only once")
+    if in_place:
+        if out is not None and Path(out).resolve() != base_path.resolve():
+            raise UsageError("--in-place writes to BASE; do not give -o as well")
+        out_path = base_path
+    else:
+        if out is None:
+            raise UsageError("give -o OUT, or --in-place to update BASE")
+        out_path = Path(out)
+        if out_path.exists() and out_path.resolve() == base_path.resolve():
+            raise UsageError(f"{out_path} is BASE; use --in-place to update it")
+        check_target(out_path, force)
+    workers = workers or default_workers()
+
+    with contextlib.ExitStack() as stack:
+        opened: list[tuple[PatchReader | None, PatchSource]] = []
+        for source in patches:
+            if isinstance(source, (str, Path)) and str(source) == "-":
+                opened.append((None, source))  # read its header when its turn comes
+                continue
+            reader, stream = open_patch(source)
+            if isinstance(source, (str, Path)):
+                stack.callback(stream.close)
+            opened.append((reader, source))
+        _check_chain(opened)
+
+        current = Checkpoint.open(base_path)
+        first = opened[0][0] or open_patch(opened[0][1], stdin)[0]
+        opened[0] = (first, opened[0][1])
+        first_header = read_header(first)
+        if current.layout != first_header.layout:
+            raise UsageError(
+                f"{base_path} is a {'file' if current.layout == 'file' else 'folder'}, "
+                f"but {first.name} patches a {'file' if first_header.layout == 'file' else 'folder'}"
+            )
+        refs = file_refs(current)
+        current_fp = fingerprint_of(current, refs)
+        if current_fp != first_header.base_fingerprint:
+            raise _wrong_base(first_header, current, refs, base_path, first.name)
+        _check_space(out_path, first_header.target_bytes)
+
+        temps: list[Path] = []
+        try:
+            for i, (maybe_reader, source) in enumerate(opened):
+                reader = maybe_reader or open_patch(source, stdin)[0]
+                header = first_header if i == 0 else read_header(reader)
+                if header.base_fingerprint != current_fp or [
+                    (r.path, r.size, r.fingerprint) for r in header.base_files
+                ] != [(r.path, r.size, r.fingerprint) for r in refs]:
+                    raise IntegrityError(
+                        f"{reader.name}: patch chain out of order: this patch expects base "
+                        f"{header.base_fingerprint}, but the previous patch produced {current_fp}; "
+                        "give the patches in the order they were made, with none missing",
+                        path=reader.name,
+                        expected=header.base_fingerprint,
+                        actual=current_fp,
+                    )
+                dest = temp_path(out_path)
+                temps.append(dest)
+                refs, current_fp = _apply_one(reader, header, current, dest, workers, progress)
+                if len(temps) > 1:
+                    remove(temps.pop(0))
+                current = Checkpoint.open(dest)
+            try:
+                install(temps[-1], out_path)
+            except OSError as exc:
+                raise os_error(exc, out_path) from exc
+        except BaseException:
+            for tmp in temps:
+                remove(tmp)
+            raise
+    return ApplySummary(out_path, current_fp, len(patches), sum(r.size for r in refs))
+
+
+def _check_chain(opened: list[tuple[PatchReader | None, PatchSource]]) -> None:
+    """Before anything is written: each patch file's base must be its predecessor's target."""
+    for (prev, _), (nxt, _) in zip(opened, opened[1:], strict=False):
+        if prev is None or nxt is None:
+            continue
+        stream = prev._stream  # noqa: SLF001 - a file we opened ourselves
+        if not stream.seekable():
+            continue
+        here = stream.tell()
+        trailer = read_trailer_at_end(stream, prev.name)
+        stream.seek(here)
+        produced = (
+            trailer.get("target", {}).get("fingerprint")
+            if isinstance(trailer.get("target"), dict)
+            else None
+        )
+        expected = read_header(nxt).base_fingerprint
+        if produced != expected:
+            raise IntegrityError(
+                f"{nxt.name}: patch chain out of order: it expects base {expected}, but "
+                f"{prev.name} produces {produced}; give the patches in the order they were "
+                "made, with none missing",
+                path=nxt.name,
+                expected=expected,
+                actual=str(produced),
+            )
+
+
+def _apply_one(
+    reader: PatchReader,
+    header: PatchHeader,
+    base: Checkpoint,
+    dest: Path,
+    workers: int,
+    progress: Progress | None,
+) -> tuple[list[FileRef], str]:
+    """Write the target of one patch to ``dest`` and verify it; returns its file refs and fingerprint."""
+    bb = header.block_bytes
+    base_tensors: list[dict[str, TensorInfo]] = [
+        {t.name: t for t in e.header.tensors} if e.header is not None else {} for e in base.files
+    ]
+
+    def base_start(index: int) -> int | None:
+        item = header.items[index]
+        if item.base_file is None:
+            return None
+        if item.base_name is None:
+            found_size = base.files[item.base_file].size
+            start = 0
+        else:
+            info = base_tensors[item.base_file].get(item.base_name)
+            if info is None:
+                raise CorruptPatchError(
+                    f"{reader.name}: item {item.label!r} refers to a base tensor that is not there"
+                )
+            found_size, start = info.nbytes, info.start
+        if found_size != item.nbytes:
+            raise CorruptPatchError(
+                f"{reader.name}: item {item.label!r} and its base differ in size", tensor=item.name
+            )
+        return start
+
+    total = header.target_bytes
+    with _Files(base) as base_fds:
+
+        def tasks() -> Iterator[Callable[[], np.ndarray]]:
+            for index, item in enumerate(header.items):
+                nblocks = blocks_in(item.nbytes, bb)
+                reader.read_frame(index, nblocks)
+                start = base_start(index)
+                for b in range(nblocks):
+                    size = min(bb, item.nbytes - b * bb)
+                    where = f"tensor {item.label!r} block {b}"
+                    block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, where)
+                    yield _decode_task(
+                        block.codec,
+                        block.payload,
+                        item.word,
+                        size,
+                        base_fds,
+                        item.base_file,
+                        None if start is None else start + b * bb,
+                        reader.name,
+                        item.name,
+                    )
+
+        results = ordered_map(tasks(), workers)
+        computed_items: list[str] = []
+        computed_files: list[FileRef] = []
+        done = 0
+        item_index = 0
+        if header.layout == "dir":
+            dest.mkdir()
+        for tfile in header.files:
+            path = dest if header.layout == "file" else dest / tfile.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            whole = new_hasher()
+            written = 0
+            try:
+                with open(path, "wb") as f:
+                    if tfile.header is not None:
+                        prefix = struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw
+                        f.write(prefix)
+                        whole.update(prefix)
+                        written += len(prefix)
+                    while item_index < len(header.items) and header.items[
+                        item_index
+                    ].file == header.files.index(tfile):
+                        item = header.items[item_index]
+                        h = new_hasher()
+                        for _ in range(blocks_in(item.nbytes, bb)):
+                            data = next(results)
+                            f.write(memoryview(data))
+                            h.update(data)
+                            whole.update(data)
+                            written += data.size
+                            done += data.size
+                            if progress is not None:
+                                progress(done, total)
+                        computed_items.append(h.hexdigest())
+                        item_index += 1
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                raise os_error(exc, path) from exc
+            computed_files.append(FileRef(tfile.path, written, whole.hexdigest()))
+        # An item list that ends before the last file's items would leave results unread.
+        if item_index != len(header.items) or next(results, None) is not None:
+            raise CorruptPatchError(f"{reader.name}: items are not in file order")
+
+    trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
+    for item, want, got in zip(header.items, trailer.items, computed_items, strict=True):
+        if want.fingerprint != got:
+            raise IntegrityError(
+                f"{reader.name}: tensor {item.label!r} came out with fingerprint {got}, "
+                f"the patch says {want.fingerprint}; the output was discarded",
+                path=reader.name,
+                tensor=item.name,
+                expected=want.fingerprint,
+                actual=got,
+            )
+    target_fp = checkpoint_fingerprint(
+        header.layout, ((r.path, r.size, r.fingerprint) for r in computed_files)
+    )
+    if [(r.path, r.size, r.fingerprint) for r in computed_files] != [
+        (r.path, r.size, r.fingerprint) for r in trailer.target_files
+    ] or target_fp != trailer.target_fingerprint:
+        raise IntegrityError(
+            f"{reader.name}: output fingerprint {target_fp} differs from the patch's target "
+            f"{trailer.target_fingerprint}; the output was discarded",
+            path=reader.name,
+            expected=trailer.target_fingerprint,
+            actual=target_fp,
+        )
+    return computed_files, target_fp
+
+
+def _decode_task(
+    codec: int,
+    payload: bytes,
+    word: int,
+    size: int,
+    base_fds: _Files,
+    base_file: int | None,
+    base_offset: int | None,
+    patch_name: str,
+    tensor: str | None,
+) -> Callable[[], np.ndarray]:
+    def run() -> np.ndarray:
+        old = None
+        if base_file is not None and base_offset is not None:
+            old = base_fds.read(base_file, base_offset, size)
+        try:
+            out = decode_block(codec, payload, old, size, word)
+        except CorruptPatchError as exc:
+            raise CorruptPatchError(
+                f"{patch_name}: tensor {tensor or '<file>'!r}: {exc}",
+                path=patch_name,
+                tensor=tensor,
+            ) from exc
+        if out.size != size:
+            raise CorruptPatchError(f"{patch_name}: tensor {tensor!r}: block has the wrong size")
+        return out
+
+    return run
+
+
+def _check_space(out: Path, need: int) -> None:
+    try:
+        st = os.statvfs(out.parent)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise OutputError(
+            f"{out}: the patch's target needs {need:,} bytes but {out.parent} has {free:,} free",
+            path=out,
+        )
+
+
+def _wrong_base(
+    header: PatchHeader, base: Checkpoint, refs: list[FileRef], base_path: Path, patch: str
+) -> IntegrityError:
+    """Name the first file, and in it the first tensor, that differs from the patch's base."""
+    hint = "apply the patch to the checkpoint it was made from"
+    expected = {f.path: (i, f) for i, f in enumerate(header.base_files)}
+    actual = {r.path: r for r in refs}
+    for path in sorted(set(expected) | set(actual)):
+        label = str(base_path / path) if path else str(base_path)
+        if path not in actual:
+            return IntegrityError(
+                f"{label}: wrong base for {patch}: file is missing; {hint}", path=label
+            )
+        if path not in expected:
+            return IntegrityError(
+                f"{label}: wrong base for {patch}: file is not part of the patch's base; {hint}",
+                path=label,
+            )
+        index, want = expected[path]
+        got = actual[path]
+        if want.fingerprint == got.fingerprint:
+            continue
+        entry = base.file(path)
+        if entry is not None and entry.header is not None:
+            _, tensor_fps = scan_file(entry)
+            for item in header.items:
+                if item.base_file == index and item.base_name is not None:
+                    have = tensor_fps.get(item.base_name)
+                    if have != item.base_fingerprint:
+                        return IntegrityError(
+                            f"{label}: wrong base for {patch}: tensor {item.base_name!r} has "
+                            f"fingerprint {have}, the patch expects {item.base_fingerprint}; {hint}",
+                            path=label,
+                            tensor=item.base_name,
+                            expected=item.base_fingerprint,
+                            actual=have,
+                        )
+        return IntegrityError(
+            f"{label}: wrong base for {patch}: file fingerprint {got.fingerprint}, the patch "
+            f"expects {want.fingerprint}; {hint}",
+            path=label,
+            expected=want.fingerprint,
+            actual=got.fingerprint,
+        )
+    return IntegrityError(
+        f"{base_path}: wrong base for {patch}: fingerprint differs from {header.base_fingerprint}; {hint}",
+        path=str(base_path),
+        expected=header.base_fingerprint,
+    )
+
+
+_ = shutil

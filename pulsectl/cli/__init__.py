@@ -1,0 +1,1 @@
+"""The pulsectl command line: a thin layer over the library."""

@@ -1,0 +1,140 @@
+"""The typer app: registers the commands and owns the one error boundary (``main``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from typing import Annotated
+
+import typer
+
+from pulsectl import __version__
+from pulsectl.cli import apply as apply_cmd
+from pulsectl.cli import demo as demo_cmd
+from pulsectl.cli import diff as diff_cmd
+from pulsectl.cli import hash as hash_cmd
+from pulsectl.cli import inspect as inspect_cmd
+from pulsectl.cli import verify as verify_cmd
+from pulsectl.cli._output import Output
+from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError
+
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(
+    name="pulsectl",
+    help=(
+        "Lossless, compact diffs of safetensors checkpoints.\n\n"
+        "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity (wrong base, damaged patch, "
+        "fingerprint mismatch)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"pulsectl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Tracebacks on errors (or PULSECTL_DEBUG=1).")
+    ] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print version.")
+    ] = False,
+) -> None:
+    ctx.obj = Output(quiet=quiet, verbose=verbose)
+
+
+app.command("diff")(diff_cmd.diff)
+app.command("apply")(apply_cmd.apply)
+app.command("hash")(hash_cmd.hash_)
+app.command("verify")(verify_cmd.verify)
+app.command("inspect")(inspect_cmd.inspect)
+app.command("demo")(demo_cmd.demo)
+
+
+def _wants_traceback(argv: list[str]) -> bool:
+    return os.environ.get("PULSECTL_DEBUG", "") not in ("", "0") or any(
+        a in ("-v", "--verbose") for a in argv
+    )
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; every failure becomes one ``pulsectl: error: ...`` line and an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    code = 0
+    try:
+        result = app(args=args, prog_name="pulsectl", standalone_mode=False)
+        code = result if isinstance(result, int) else 0
+    except PulseError as exc:
+        if _wants_traceback(args):
+            traceback.print_exc()
+        sys.stderr.write(f"pulsectl: error: {exc.message}\n")
+        code = exc.exit_code
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except typer.TyperException as exc:  # usage errors from the parser
+        show = getattr(exc, "show", None)
+        if show is not None:
+            show()
+        else:
+            sys.stderr.write(f"pulsectl: error: {exc.message}\n")
+        code = exc.exit_code if exc.exit_code else EXIT_USAGE
+    except (KeyboardInterrupt, typer.Abort):
+        sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (e.g. `pulsectl diff a b | head -c 100`).
+        _silence_stdout()
+        sys.stderr.write("pulsectl: error: output pipe closed before the patch was complete\n")
+        code = EXIT_ERROR
+    except MemoryError:
+        sys.stderr.write("pulsectl: error: out of memory\n")
+        code = EXIT_ERROR
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.write(
+            "pulsectl: error: internal error (a bug in pulsectl); please report it with the "
+            "traceback above\n"
+        )
+        code = EXIT_ERROR
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        if code == 0:
+            code = EXIT_ERROR
+    return code
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

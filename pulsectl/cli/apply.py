@@ -1,0 +1,45 @@
+"""`pulsectl apply BASE PATCH [PATCH ...] -o OUT | --in-place`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pulsectl.apply import apply_patches
+from pulsectl.cli._options import Checkpoint, Force, Workers
+from pulsectl.cli._output import Output
+
+
+def apply(
+    ctx: typer.Context,
+    base: Checkpoint,
+    patches: Annotated[
+        list[str], typer.Argument(help="Patches in chain order; '-' reads one from stdin.")
+    ],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Where to write the result.")
+    ] = None,
+    in_place: Annotated[
+        bool, typer.Option("--in-place", help="Replace BASE with the result (atomically).")
+    ] = False,
+    force: Force = False,
+    workers: Workers = None,
+) -> None:
+    """Apply a chain of patches to BASE; the result is verified before it appears at OUT."""
+    out: Output = ctx.obj
+    with out.progress("apply") as progress:
+        summary = apply_patches(
+            base,
+            patches,
+            output,
+            in_place=in_place,
+            force=force,
+            workers=workers,
+            progress=progress,
+        )
+    out.info(
+        f"wrote {summary.output} ({summary.target_bytes:,} bytes, fingerprint "
+        f"{summary.target_fingerprint}) from {summary.patches} patch(es), verified"
+    )

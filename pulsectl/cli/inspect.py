@@ -1,0 +1,72 @@
+"""`pulsectl inspect PATCH [--json]`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pulsectl.cli._options import JsonFlag
+from pulsectl.cli._output import Output
+from pulsectl.info import read_patch_info
+
+
+def inspect(
+    ctx: typer.Context,
+    patch: Annotated[str, typer.Argument(help="A .pulse file, or '-' for stdin.")],
+    as_json: JsonFlag = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Read the whole patch and verify every checksum.")
+    ] = False,
+    top: Annotated[int, typer.Option("--top", help="Tensors listed, largest frames first.")] = 20,
+) -> None:
+    """Show a patch's fingerprints, tensors, change counts and sizes."""
+    out: Output = ctx.obj
+    info = read_patch_info(patch, check=check)
+    doc = info.to_json()
+    if as_json:
+        out.json(doc)
+        return
+    from rich.table import Table
+
+    lines = [
+        f"patch          {doc['patch']} ({_size(doc['patch_bytes'])}, .pulse v{doc['format_version']}, "
+        f"{doc['writer']}{', checksums verified' if doc['checked'] else ''})",
+        f"layout         {doc['layout']}, {len(doc['target']['files'])} file(s), "
+        f"{len(doc['tensors'])} item(s)",
+        f"base           {doc['base']['fingerprint']}",
+        f"target         {doc['target']['fingerprint']} ({_size(doc['target']['bytes'])})",
+        f"changed words  {doc['changed_words']:,} of {doc['total_words']:,} ({doc['density']:.4%})",
+    ]
+    if doc["patch_bytes"]:
+        lines.append(
+            f"ratio          {doc['target']['bytes'] / doc['patch_bytes']:.1f}x smaller than the target"
+        )
+    out.data("\n".join(lines))
+    table = Table(title=f"largest frames (top {top})")
+    for col in ("tensor", "dtype", "shape", "changed", "density", "bytes", "B/change"):
+        table.add_column(col, justify="left" if col in ("tensor", "dtype", "shape") else "right")
+    for t in sorted(doc["tensors"], key=lambda t: -t["encoded_bytes"])[:top]:
+        words = t["words"]
+        changed = t["changed_words"]
+        table.add_row(
+            t["name"] or t["file"],
+            t["dtype"] or "blob",
+            "x".join(map(str, t["shape"])) if t["shape"] is not None else "",
+            f"{changed:,}",
+            f"{changed / words:.3%}" if words else "-",
+            f"{t['encoded_bytes']:,}",
+            f"{t['encoded_bytes'] / changed:.2f}" if changed else "-",
+        )
+    if top > 0:
+        out.rich(table)
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "size unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)

@@ -1,0 +1,79 @@
+"""Block codecs: how one block of an item's bytes is stored in a frame.
+
+A block is at most ``block_bytes`` of one tensor (or blob). Each block names its codec, so codecs
+can improve without a new container. Codec ids are part of the format (docs/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pulsectl.codecs import delta, raw
+from pulsectl.errors import CorruptPatchError
+
+CODEC_COPY = 0  # identical to the base block; empty payload
+CODEC_STORE = 1  # the new bytes verbatim
+CODEC_ZSTD = 2  # the new bytes, one zstd frame
+CODEC_DELTA = 3  # changed positions and word differences (pulsectl.codecs.delta)
+
+CODEC_NAMES = {CODEC_COPY: "copy", CODEC_STORE: "store", CODEC_ZSTD: "zstd", CODEC_DELTA: "delta"}
+
+# Above this fraction of changed words the raw codecs are tried as well.
+_DENSE_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class EncodedBlock:
+    codec: int
+    payload: bytes
+    changed: int  # words that differ from the base; every word when there is no base
+
+
+def encode_block(old: np.ndarray | None, new: np.ndarray, word: int, level: int) -> EncodedBlock:
+    """Encode ``new`` (uint8) against ``old`` (uint8, same length, or None) in the smallest codec."""
+    nwords = new.size // word
+    if old is None:
+        return _smallest_raw(new, level, nwords)
+    positions = delta.find_changes(old, new, word)
+    if positions.size == 0:
+        return EncodedBlock(CODEC_COPY, b"", 0)
+    best = EncodedBlock(CODEC_DELTA, delta.encode(old, new, word, positions, level), positions.size)
+    if positions.size > _DENSE_FRACTION * nwords:
+        alt = _smallest_raw(new, level, positions.size)
+        if len(alt.payload) < len(best.payload):
+            best = alt
+    if len(best.payload) >= new.size:
+        best = EncodedBlock(CODEC_STORE, new.tobytes(), positions.size)
+    return best
+
+
+def _smallest_raw(new: np.ndarray, level: int, changed: int) -> EncodedBlock:
+    packed = raw.compress(new, level)
+    if len(packed) < new.size:
+        return EncodedBlock(CODEC_ZSTD, packed, changed)
+    return EncodedBlock(CODEC_STORE, new.tobytes(), changed)
+
+
+def decode_block(
+    codec: int, payload: bytes, old: np.ndarray | None, nbytes: int, word: int
+) -> np.ndarray:
+    """Rebuild a block's ``nbytes`` new bytes (uint8 array) from its payload and the base block."""
+    if codec == CODEC_COPY:
+        if old is None:
+            raise CorruptPatchError("copy block for an item that has no base")
+        if payload:
+            raise CorruptPatchError("copy block carries a payload")
+        return old
+    if codec == CODEC_STORE:
+        if len(payload) != nbytes:
+            raise CorruptPatchError(f"stored block has {len(payload)} bytes, expected {nbytes}")
+        return np.frombuffer(payload, dtype=np.uint8)
+    if codec == CODEC_ZSTD:
+        return raw.decompress(payload, nbytes)
+    if codec == CODEC_DELTA:
+        if old is None:
+            raise CorruptPatchError("delta block for an item that has no base")
+        return delta.decode(old, payload, word)
+    raise CorruptPatchError(f"unknown block codec {codec}")

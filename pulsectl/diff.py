@@ -1,0 +1,261 @@
+"""diff: two checkpoints in, one .pulse patch out, streaming block by block.
+
+Checkpoint(old) + Checkpoint(new) -> items (tensors and blobs, target order)
+  -> blocks read with pread on a worker pool -> codec (pulsectl.codecs)
+  -> PatchWriter in order, hashing the target as it goes -> trailer
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from pulsectl import __version__
+from pulsectl._atomic import atomic_file
+from pulsectl._dtypes import DTYPES
+from pulsectl._io import default_workers, ordered_map, pread_array
+from pulsectl.checkpoint import Checkpoint
+from pulsectl.codecs import EncodedBlock, encode_block
+from pulsectl.errors import InputError, UsageError
+from pulsectl.format import DEFAULT_BLOCK_BYTES, PatchWriter, blocks_in
+from pulsectl.hashing import checkpoint_fingerprint, new_hasher
+from pulsectl.inventory import scan_file
+from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
+
+Progress = Callable[[int, int], None]
+
+DEFAULT_LEVEL = 3
+MAX_LEVEL = 22
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    level: int = DEFAULT_LEVEL  # zstd level of the planes
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    workers: int = field(default_factory=default_workers)
+
+
+@dataclass(frozen=True)
+class DiffSummary:
+    base_fingerprint: str
+    target_fingerprint: str
+    patch_bytes: int
+    target_bytes: int
+    changed_words: int
+    total_words: int
+    items: int
+
+
+def diff_to_path(
+    old: str | Path,
+    new: str | Path,
+    out: str | Path,
+    *,
+    force: bool = False,
+    options: DiffOptions | None = None,
+    progress: Progress | None = None,
+) -> DiffSummary:
+    """Write the patch from ``old`` to ``new`` to ``out`` atomically."""
+    with atomic_file(Path(out), force) as f:
+        return diff_checkpoints(old, new, f, options=options, progress=progress)
+
+
+def diff_checkpoints(
+    old: str | Path,
+    new: str | Path,
+    out: BinaryIO,
+    *,
+    options: DiffOptions | None = None,
+    progress: Progress | None = None,
+) -> DiffSummary:
+    """Stream the patch that turns checkpoint ``old`` into checkpoint ``new`` to ``out``."""
+    options = options or DiffOptions()
+    if not 1 <= options.level <= MAX_LEVEL:
+        raise UsageError(f"level {options.level} is outside 1..{MAX_LEVEL}")
+    base = Checkpoint.open(old)
+    target = Checkpoint.open(new)
+    if base.layout != target.layout:
+        raise UsageError(
+            f"{old} is a {_layout_word(base.layout)} but {new} is a "
+            f"{_layout_word(target.layout)}; diff a file against a file, a folder against a folder"
+        )
+    base_refs: list[FileRef] = []
+    base_tensor_fps: dict[tuple[int, str], str] = {}
+    for index, entry in enumerate(base.files):
+        ref, tensor_fps = scan_file(entry)
+        base_refs.append(ref)
+        for name, fp in tensor_fps.items():
+            base_tensor_fps[(index, name)] = fp
+    base_fp = checkpoint_fingerprint(
+        base.layout, ((r.path, r.size, r.fingerprint) for r in base_refs)
+    )
+    base_index = {e.relpath: i for i, e in enumerate(base.files)}
+
+    files: list[TargetFile] = []
+    items: list[Item] = []
+    for fi, entry in enumerate(target.files):
+        if entry.header is None:
+            files.append(TargetFile(entry.relpath, "blob", entry.size, None))
+            bentry = base.file(entry.relpath)
+            if bentry is not None and bentry.header is None and bentry.size == entry.size:
+                bi = base_index[bentry.relpath]
+                items.append(Item(fi, None, 0, entry.size, 1, bi, None, base_refs[bi].fingerprint))
+            else:
+                items.append(Item(fi, None, 0, entry.size, 1, None, None, None))
+            continue
+        files.append(TargetFile(entry.relpath, "safetensors", entry.size, entry.header))
+        for t in entry.header.tensors:
+            found = base.find_tensor(t.name)
+            word = DTYPES[t.dtype].word
+            if found is not None and (found[1].dtype, found[1].shape) == (t.dtype, t.shape):
+                bi = base_index[found[0].relpath]
+                fp = base_tensor_fps[(bi, t.name)]
+                items.append(Item(fi, t.name, t.start, t.nbytes, word, bi, t.name, fp))
+            else:
+                items.append(Item(fi, t.name, t.start, t.nbytes, word, None, None, None))
+
+    header = PatchHeader(
+        layout=target.layout,
+        block_bytes=options.block_bytes,
+        writer=f"pulsectl {__version__}",
+        base_fingerprint=base_fp,
+        base_files=tuple(base_refs),
+        files=tuple(files),
+        items=tuple(items),
+    )
+    with _Files(base) as base_fds, _Files(target) as target_fds:
+        return _write_patch(header, base, target, base_fds, target_fds, out, options, progress)
+
+
+def _write_patch(
+    header: PatchHeader,
+    base: Checkpoint,
+    target: Checkpoint,
+    base_fds: _Files,
+    target_fds: _Files,
+    out: BinaryIO,
+    options: DiffOptions,
+    progress: Progress | None,
+) -> DiffSummary:
+    bb = header.block_bytes
+    total = header.target_bytes
+
+    def tasks() -> Iterator[Callable[[], tuple[np.ndarray, EncodedBlock]]]:
+        for item in header.items:
+            for b in range(blocks_in(item.nbytes, bb)):
+                yield _encode_task(item, b, bb, base, target, base_fds, target_fds, options.level)
+
+    writer = PatchWriter(out, header.to_json())
+    results = ordered_map(tasks(), options.workers)
+    item_results: list[ItemResult] = []
+    file_refs: list[FileRef] = []
+    done = 0
+    item_iter = iter(enumerate(header.items))
+    pending = next(item_iter, None)
+    for fi, tfile in enumerate(header.files):
+        whole = new_hasher()
+        if tfile.header is not None:
+            whole.update(struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw)
+            done += 8 + len(tfile.header.raw)
+        while pending is not None and pending[1].file == fi:
+            index, item = pending
+            nblocks = blocks_in(item.nbytes, bb)
+            start = writer.offset
+            writer.begin_frame(index, nblocks)
+            h = new_hasher()
+            changed = 0
+            for _ in range(nblocks):
+                data, enc = next(results)
+                h.update(data)
+                whole.update(data)
+                writer.add_block(enc.codec, enc.payload)
+                changed += enc.changed
+                done += data.size
+                if progress is not None:
+                    progress(done, total)
+            item_results.append(ItemResult(h.hexdigest(), changed, writer.offset - start))
+            pending = next(item_iter, None)
+        file_refs.append(FileRef(tfile.path, tfile.size, whole.hexdigest()))
+    target_fp = checkpoint_fingerprint(
+        header.layout, ((r.path, r.size, r.fingerprint) for r in file_refs)
+    )
+    trailer = PatchTrailer(target_fp, tuple(file_refs), tuple(item_results), ())
+    writer.finish(trailer.to_json())
+    out.flush()
+    return DiffSummary(
+        base_fingerprint=header.base_fingerprint,
+        target_fingerprint=target_fp,
+        patch_bytes=writer.offset,
+        target_bytes=total,
+        changed_words=sum(r.changed for r in item_results),
+        total_words=sum(i.nbytes // i.word for i in header.items),
+        items=len(header.items),
+    )
+
+
+def _encode_task(
+    item: Item,
+    block: int,
+    block_bytes: int,
+    base: Checkpoint,
+    target: Checkpoint,
+    base_fds: _Files,
+    target_fds: _Files,
+    level: int,
+) -> Callable[[], tuple[np.ndarray, EncodedBlock]]:
+    offset = block * block_bytes
+    size = min(block_bytes, item.nbytes - offset)
+
+    def run() -> tuple[np.ndarray, EncodedBlock]:
+        new = target_fds.read(item.file, item.start + offset, size)
+        old = None
+        if item.base_file is not None:
+            entry = base.files[item.base_file]
+            start = 0
+            if item.base_name is not None:
+                found = base.find_tensor(item.base_name)
+                assert found is not None
+                start = found[1].start
+            old = base_fds.read(base.files.index(entry), start + offset, size)
+        return new, encode_block(old, new, item.word, level)
+
+    return run
+
+
+class _Files:
+    """Read-only descriptors for a checkpoint's files, opened once."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self._ckpt = ckpt
+        self._fds: list[int] = []
+
+    def __enter__(self) -> _Files:
+        for entry in self._ckpt.files:
+            try:
+                self._fds.append(os.open(entry.path, os.O_RDONLY))
+            except OSError as exc:
+                self.__exit__()
+                raise InputError(
+                    f"{entry.path}: cannot open: {exc.strerror}", path=entry.path
+                ) from exc
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
+        return pread_array(
+            self._fds[file_index], offset, nbytes, str(self._ckpt.files[file_index].path)
+        )
+
+
+def _layout_word(layout: str) -> str:
+    return "single file" if layout == "file" else "folder"

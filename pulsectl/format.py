@@ -1,0 +1,263 @@
+"""The .pulse container, version 1: the only module that knows byte offsets.
+
+docs/FORMAT.md is the normative description; the constants below mirror it.
+
+    preamble   MAGIC | u16 version | u16 flags | u32 header length | u64 xxh3-64 of header
+    header     canonical JSON (what the patch turns into what)
+    frames     one per item (tensor or blob), in item order; each holds the item's blocks
+    trailer    TRAILER_TAG | u32 length | canonical JSON (target fingerprints, frame offsets)
+    footer     u64 trailer offset | u64 xxh3-64 of every byte before this field | END_MAGIC
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import xxhash
+
+from pulsectl.errors import CorruptPatchError, FormatError
+
+MAGIC = b"\x89PULSE\r\n"
+END_MAGIC = b"PULSEEND"
+FORMAT_VERSION = 1
+FRAME_TAG = b"PFRM"
+TRAILER_TAG = b"PTRL"
+
+PREAMBLE = struct.Struct("<8sHHIQ")  # magic, version, flags, header length, header checksum
+FRAME_HEAD = struct.Struct("<4sIII")  # tag, item index, block count, reserved
+BLOCK_HEAD = struct.Struct("<B3sI")  # codec, reserved, payload length
+BLOCK_CHECK = struct.Struct("<Q")  # xxh3-64 of the block head and payload
+TRAILER_HEAD = struct.Struct("<4sI")  # tag, trailer length
+FOOTER = struct.Struct("<QQ8s")  # trailer offset, file checksum, END_MAGIC
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_TRAILER_BYTES = 64 * 1024 * 1024
+MIN_BLOCK_BYTES = 4096
+MAX_BLOCK_BYTES = 256 * 1024 * 1024
+DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
+BLOCK_PAYLOAD_SLACK = 1024 * 1024  # a payload may exceed block_bytes by at most this much
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one JSON spelling pulsectl writes: sorted keys, no spaces, ASCII only."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def blocks_in(nbytes: int, block_bytes: int) -> int:
+    return -(-nbytes // block_bytes)
+
+
+class PatchWriter:
+    """Writes a .pulse stream: header, then frames block by block, then trailer and footer."""
+
+    def __init__(self, stream: BinaryIO, header: dict[str, Any]) -> None:
+        self._stream = stream
+        self._hash = xxhash.xxh3_64()
+        self.offset = 0
+        self.frame_offsets: list[int] = []
+        body = canonical_json(header)
+        if len(body) > MAX_HEADER_BYTES:
+            raise FormatError(f"patch header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
+        checksum = xxhash.xxh3_64_intdigest(body)
+        self._write(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body), checksum))
+        self._write(body)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._stream.write(data)
+        self._hash.update(data)
+        self.offset += len(data)
+
+    def begin_frame(self, item: int, nblocks: int) -> None:
+        self.frame_offsets.append(self.offset)
+        self._write(FRAME_HEAD.pack(FRAME_TAG, item, nblocks, 0))
+
+    def add_block(self, codec: int, payload: bytes) -> int:
+        """Write one block; returns the bytes it took."""
+        head = BLOCK_HEAD.pack(codec, b"\0\0\0", len(payload))
+        check = xxhash.xxh3_64()
+        check.update(head)
+        check.update(payload)
+        self._write(head)
+        self._write(payload)
+        self._write(BLOCK_CHECK.pack(check.intdigest()))
+        return BLOCK_HEAD.size + len(payload) + BLOCK_CHECK.size
+
+    def finish(self, trailer: dict[str, Any]) -> None:
+        body = canonical_json({**trailer, "frames": self.frame_offsets})
+        trailer_offset = self.offset
+        self._write(TRAILER_HEAD.pack(TRAILER_TAG, len(body)))
+        self._write(body)
+        head = struct.pack("<Q", trailer_offset)
+        self._write(head)
+        checksum = self._hash.intdigest()
+        self._stream.write(struct.pack("<Q", checksum) + END_MAGIC)
+        self.offset += 16
+
+
+@dataclass(frozen=True)
+class Block:
+    codec: int
+    payload: bytes
+
+
+class PatchReader:
+    """Reads a .pulse stream front to back; every read is bounded and checked.
+
+    ``header`` is the parsed header JSON (validated by pulsectl.patch). Frames are read with
+    ``read_frame`` and ``read_block`` in order, then ``read_trailer`` checks the file checksum.
+    """
+
+    def __init__(self, stream: BinaryIO, name: str) -> None:
+        self._stream = stream
+        self.name = name
+        self._hash = xxhash.xxh3_64()
+        self.offset = 0
+        pre = self._read(PREAMBLE.size, "preamble", allow_short_magic=True)
+        magic, version, flags, header_len, checksum = PREAMBLE.unpack(pre)
+        if magic != MAGIC:
+            raise FormatError(f"{name}: not a .pulse patch (bad magic)", path=name)
+        if version != FORMAT_VERSION:
+            raise FormatError(
+                f"{name}: .pulse version {version} is not supported by this pulsectl "
+                f"(reads version {FORMAT_VERSION}); upgrade pulsectl",
+                path=name,
+            )
+        if flags:
+            raise CorruptPatchError(f"{name}: unknown preamble flags {flags:#x}", path=name)
+        if header_len > MAX_HEADER_BYTES:
+            raise CorruptPatchError(
+                f"{name}: header length {header_len} exceeds {MAX_HEADER_BYTES}", path=name
+            )
+        body = self._read(header_len, "header")
+        if xxhash.xxh3_64_intdigest(body) != checksum:
+            raise CorruptPatchError(f"{name}: header checksum mismatch (patch damaged)", path=name)
+        self.header_bytes = body
+        self.header: dict[str, Any] = _load_json(body, name, "header")
+        self.frame_offsets: list[int] = []
+
+    def _read(self, n: int, what: str, allow_short_magic: bool = False) -> bytes:
+        data = _read_exact(self._stream, n)
+        if len(data) != n:
+            if allow_short_magic and not data.startswith(MAGIC[: len(data)]):
+                raise FormatError(f"{self.name}: not a .pulse patch (bad magic)", path=self.name)
+            raise CorruptPatchError(
+                f"{self.name}: patch ends early in the {what} at byte {self.offset + len(data)} "
+                "(truncated download or interrupted pipe?)",
+                path=self.name,
+            )
+        self._hash.update(data)
+        self.offset += n
+        return data
+
+    def read_frame(self, item: int, nblocks: int) -> None:
+        """Read the frame head for ``item`` and check it promises ``nblocks`` blocks."""
+        self.frame_offsets.append(self.offset)
+        tag, got_item, got_blocks, reserved = FRAME_HEAD.unpack(
+            self._read(FRAME_HEAD.size, f"frame of item {item}")
+        )
+        if tag != FRAME_TAG or got_item != item or got_blocks != nblocks or reserved:
+            raise CorruptPatchError(
+                f"{self.name}: frame head at byte {self.frame_offsets[-1]} is damaged "
+                f"(expected item {item} with {nblocks} blocks)",
+                path=self.name,
+            )
+
+    def read_block(self, max_payload: int, where: str) -> Block:
+        head = self._read(BLOCK_HEAD.size, where)
+        codec, reserved, length = BLOCK_HEAD.unpack(head)
+        if reserved != b"\0\0\0" or length > max_payload:
+            raise CorruptPatchError(
+                f"{self.name}: block head of {where} is damaged", path=self.name
+            )
+        payload = self._read(length, where)
+        (expected,) = BLOCK_CHECK.unpack(self._read(BLOCK_CHECK.size, where))
+        check = xxhash.xxh3_64()
+        check.update(head)
+        check.update(payload)
+        if check.intdigest() != expected:
+            raise CorruptPatchError(
+                f"{self.name}: checksum mismatch in {where} (patch damaged)", path=self.name
+            )
+        return Block(codec, payload)
+
+    def read_trailer(self) -> dict[str, Any]:
+        """Read trailer and footer, check the whole-file checksum and the end of the stream."""
+        trailer_offset = self.offset
+        tag, length = TRAILER_HEAD.unpack(self._read(TRAILER_HEAD.size, "trailer"))
+        if tag != TRAILER_TAG or length > MAX_TRAILER_BYTES:
+            raise CorruptPatchError(f"{self.name}: trailer is damaged", path=self.name)
+        body = self._read(length, "trailer")
+        (stated_offset,) = struct.unpack("<Q", self._read(8, "footer"))
+        checksum = self._hash.intdigest()
+        rest = _read_exact(self._stream, 16)
+        if len(rest) != 16:
+            raise CorruptPatchError(
+                f"{self.name}: patch ends early in the footer (truncated?)", path=self.name
+            )
+        got_checksum, end = struct.unpack("<Q8s", rest)
+        if end != END_MAGIC or stated_offset != trailer_offset or got_checksum != checksum:
+            raise CorruptPatchError(
+                f"{self.name}: file checksum mismatch (patch damaged)", path=self.name
+            )
+        if _read_exact(self._stream, 1):
+            raise CorruptPatchError(
+                f"{self.name}: unexpected bytes after the end of the patch", path=self.name
+            )
+        trailer = _load_json(body, self.name, "trailer")
+        if trailer.get("frames") != self.frame_offsets:
+            raise CorruptPatchError(f"{self.name}: trailer frame index is damaged", path=self.name)
+        return trailer
+
+
+def read_trailer_at_end(stream: BinaryIO, name: str) -> dict[str, Any]:
+    """Read only the trailer of a seekable patch (no whole-file checksum: that needs a full read)."""
+    end = stream.seek(0, 2)
+    if end < PREAMBLE.size + FOOTER.size:
+        raise CorruptPatchError(f"{name}: too short to be a .pulse patch", path=name)
+    stream.seek(end - FOOTER.size)
+    trailer_offset, _, magic = FOOTER.unpack(_read_exact(stream, FOOTER.size))
+    if magic != END_MAGIC or trailer_offset > end - FOOTER.size - TRAILER_HEAD.size:
+        raise CorruptPatchError(
+            f"{name}: patch has no valid footer (truncated or damaged)", path=name
+        )
+    stream.seek(trailer_offset)
+    tag, length = TRAILER_HEAD.unpack(_read_exact(stream, TRAILER_HEAD.size))
+    if tag != TRAILER_TAG or trailer_offset + TRAILER_HEAD.size + length + FOOTER.size != end:
+        raise CorruptPatchError(f"{name}: trailer is damaged", path=name)
+    return _load_json(_read_exact(stream, length), name, "trailer")
+
+
+def iter_chunks(stream: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+    while chunk := stream.read(size):
+        yield chunk
+
+
+def _read_exact(stream: BinaryIO, n: int) -> bytes:
+    data = stream.read(n)
+    if data is None:
+        data = b""
+    if len(data) == n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = stream.read(n - got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _load_json(body: bytes, name: str, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptPatchError(f"{name}: {what} is not valid JSON ({exc})", path=name) from exc
+    if not isinstance(obj, dict):
+        raise CorruptPatchError(f"{name}: {what} is not a JSON object", path=name)
+    return obj

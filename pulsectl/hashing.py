@@ -1,0 +1,70 @@
+"""Fingerprints: xxh3-128 of tensors, files and checkpoints, as 32 lowercase hex digits.
+
+- item (tensor or blob) fingerprint: xxh3-128 of its bytes;
+- file fingerprint: xxh3-128 of the whole file (equals ``xxhsum -H2 FILE``);
+- checkpoint fingerprint: for a single file, its file fingerprint; for a directory, xxh3-128
+  of the manifest ``"<file fingerprint> <size> <relpath>\\n"`` over its files sorted by relpath.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import xxhash
+
+from pulsectl.errors import InputError
+
+READ_CHUNK = 16 * 1024 * 1024
+
+
+def new_hasher() -> xxhash.xxh3_128:
+    """A streaming hasher whose ``hexdigest()`` is a pulsectl fingerprint."""
+    return xxhash.xxh3_128()
+
+
+def fingerprint_bytes(data: bytes | memoryview) -> str:
+    """Fingerprint of a byte string."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def fingerprint_file(path: str | Path) -> str:
+    """Fingerprint of a file's bytes, read in chunks."""
+    hasher = new_hasher()
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                hasher.update(view[:n])
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}", path=path) from exc
+    return hasher.hexdigest()
+
+
+def manifest_fingerprint(files: Iterable[tuple[str, int, str]]) -> str:
+    """Fingerprint of a directory checkpoint from ``(relpath, size, file fingerprint)`` rows."""
+    rows = sorted(files)
+    text = "".join(f"{fp} {size} {relpath}\n" for relpath, size, fp in rows)
+    return fingerprint_bytes(text.encode("utf-8"))
+
+
+def checkpoint_fingerprint(layout: str, files: Iterable[tuple[str, int, str]]) -> str:
+    """Whole-checkpoint fingerprint from its layout and ``(relpath, size, fingerprint)`` rows."""
+    rows = list(files)
+    if layout == "file":
+        if len(rows) != 1:
+            raise ValueError("a single-file checkpoint has exactly one file")
+        return rows[0][2]
+    return manifest_fingerprint(rows)
+
+
+def file_size(path: str | Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}", path=path) from exc
