@@ -33,7 +33,9 @@ class Output:
         """A rich table or text for a person, on stdout (it is the command's result)."""
         from rich.console import Console
 
-        Console(soft_wrap=False).print(renderable)
+        # Off a terminal rich assumes 80 columns; a pipe or file gets full tensor names instead.
+        width = None if sys.stdout.isatty() else 240
+        Console(soft_wrap=False, width=width).print(renderable)
 
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Callable[[int, int], None] | None]:

@@ -40,7 +40,8 @@ def inspect(
     ]
     if doc["patch_bytes"]:
         lines.append(
-            f"ratio          {doc['target']['bytes'] / doc['patch_bytes']:.1f}x smaller than the target"
+            f"ratio          {doc['target']['bytes'] / doc['patch_bytes']:.1f}x "
+            "(target bytes / patch bytes)"
         )
     out.data("\n".join(lines))
     table = Table(title=f"largest frames (top {top})")

@@ -1,0 +1,89 @@
+"""The golden patches pin .pulse v1 byte for byte (regenerate: python fixtures/make_golden.py)."""
+
+from __future__ import annotations
+
+import filecmp
+import struct
+from pathlib import Path
+
+import pytest
+
+from pulsectl.apply import apply_patches
+from pulsectl.diff import diff_to_path
+from pulsectl.format import END_MAGIC, FORMAT_VERSION, MAGIC
+from pulsectl.info import read_patch_info
+
+GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
+CASES = [
+    ("single.pulse", "single_base.safetensors", "single_target.safetensors"),
+    ("dir.pulse", "dir_base", "dir_target"),
+]
+
+
+def _load_maker():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_golden", GOLDEN.parent / "make_golden.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    if a.is_file():
+        return a.read_bytes() == b.read_bytes()
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    return files_a == files_b and all(
+        filecmp.cmp(a / f, b / f, shallow=False) for f in files_a
+    )
+
+
+@pytest.mark.parametrize(("patch", "base", "target"), CASES)
+def test_golden_patch_applies_to_exact_target(tmp_path: Path, patch: str, base: str, target: str):
+    out = tmp_path / "out"
+    apply_patches(GOLDEN / base, [GOLDEN / patch], out)
+    assert _same_tree(out, GOLDEN / target)
+
+
+@pytest.mark.parametrize(("patch", "base", "target"), CASES)
+def test_diff_reproduces_golden_bytes(tmp_path: Path, patch: str, base: str, target: str):
+    maker = _load_maker()
+    out = tmp_path / patch
+    diff_to_path(GOLDEN / base, GOLDEN / target, out, options=maker.OPTIONS)
+    assert out.read_bytes() == (GOLDEN / patch).read_bytes()
+
+
+def test_golden_inputs_are_what_the_maker_writes(tmp_path: Path):
+    maker = _load_maker()
+    maker.make_single(tmp_path)
+    maker.make_folder(tmp_path)
+    for _, base, target in CASES:
+        assert _same_tree(tmp_path / base, GOLDEN / base)
+        assert _same_tree(tmp_path / target, GOLDEN / target)
+    for patch, _, _ in CASES:
+        assert (tmp_path / patch).read_bytes() == (GOLDEN / patch).read_bytes()
+
+
+def test_golden_preamble_and_footer_bytes():
+    data = (GOLDEN / "single.pulse").read_bytes()
+    assert data[:8] == MAGIC == b"\x89PULSE\r\n"
+    version, flags, header_len = struct.unpack_from("<HHI", data, 8)
+    assert (version, flags) == (FORMAT_VERSION, 0) == (1, 0)
+    assert data[24 : 24 + 1] == b"{"
+    assert data[24 + header_len : 24 + header_len + 4] == b"PFRM"
+    assert data[-8:] == END_MAGIC == b"PULSEEND"
+    (trailer_offset,) = struct.unpack_from("<Q", data, len(data) - 24)
+    assert data[trailer_offset : trailer_offset + 4] == b"PTRL"
+
+
+def test_golden_contents():
+    info = read_patch_info(GOLDEN / "single.pulse", check=True)
+    by_name = {t["name"]: t for t in info.to_json()["tensors"]}
+    assert by_name["model.layers.0.mlp.up_proj.weight"]["changed_words"] == 4
+    assert by_name["model.layers.0.input_layernorm.weight"]["changed_words"] == 1  # -0.0
+    assert by_name["model.new_only"]["from_base"] is False
+    assert by_name["model.reshaped"]["from_base"] is False
+    assert "model.old_only" not in by_name
+    assert info.checked
