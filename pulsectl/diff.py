@@ -22,6 +22,7 @@ from pulsectl._dtypes import DTYPES
 from pulsectl._io import default_workers, ordered_map, pread_array
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.codecs import EncodedBlock, encode_block
+from pulsectl.codecs.context import KEYS as CONTEXT_KEYS
 from pulsectl.errors import InputError, UsageError
 from pulsectl.format import DEFAULT_BLOCK_BYTES, PatchWriter, blocks_in
 from pulsectl.hashing import checkpoint_fingerprint, new_hasher
@@ -32,11 +33,15 @@ Progress = Callable[[int, int], None]
 
 DEFAULT_LEVEL = 3
 MAX_LEVEL = 22
+# `--level max`: the context codec (positions grouped by the base word's exponent) and the
+# strongest zstd level for the planes.
+MAX_PRESET_LEVEL = 19
 
 
 @dataclass(frozen=True)
 class DiffOptions:
     level: int = DEFAULT_LEVEL  # zstd level of the planes
+    context: bool = False  # also try the context codec (slower, smaller): `--level max`
     block_bytes: int = DEFAULT_BLOCK_BYTES
     workers: int = field(default_factory=default_workers)
 
@@ -145,11 +150,23 @@ def _write_patch(
 ) -> DiffSummary:
     bb = header.block_bytes
     total = header.target_bytes
+    dtypes = [
+        {t.name: t.dtype for t in f.header.tensors} if f.header is not None else {}
+        for f in header.files
+    ]
+    keys: list[tuple[int, int] | None] = [
+        CONTEXT_KEYS.get(dtypes[item.file].get(item.name or "", ""))
+        if options.context and item.base_file is not None
+        else None
+        for item in header.items
+    ]
 
     def tasks() -> Iterator[Callable[[], tuple[np.ndarray, EncodedBlock]]]:
-        for item in header.items:
+        for index, item in enumerate(header.items):
             for b in range(blocks_in(item.nbytes, bb)):
-                yield _encode_task(item, b, bb, base, target, base_fds, target_fds, options.level)
+                yield _encode_task(
+                    item, b, bb, base, target, base_fds, target_fds, options.level, keys[index]
+                )
 
     writer = PatchWriter(out, header.to_json())
     results = ordered_map(tasks(), options.workers)
@@ -208,6 +225,7 @@ def _encode_task(
     base_fds: _Files,
     target_fds: _Files,
     level: int,
+    key: tuple[int, int] | None,
 ) -> Callable[[], tuple[np.ndarray, EncodedBlock]]:
     offset = block * block_bytes
     size = min(block_bytes, item.nbytes - offset)
@@ -216,14 +234,13 @@ def _encode_task(
         new = target_fds.read(item.file, item.start + offset, size)
         old = None
         if item.base_file is not None:
-            entry = base.files[item.base_file]
             start = 0
             if item.base_name is not None:
                 found = base.find_tensor(item.base_name)
                 assert found is not None
                 start = found[1].start
-            old = base_fds.read(base.files.index(entry), start + offset, size)
-        return new, encode_block(old, new, item.word, level)
+            old = base_fds.read(item.base_file, start + offset, size)
+        return new, encode_block(old, new, item.word, level, key)
 
     return run
 

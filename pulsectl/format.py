@@ -3,9 +3,9 @@
 docs/FORMAT.md is the normative description; the constants below mirror it.
 
     preamble   MAGIC | u16 version | u16 flags | u32 header length | u64 xxh3-64 of header
-    header     canonical JSON (what the patch turns into what)
+    header     one zstd frame of canonical JSON (what the patch turns into what)
     frames     one per item (tensor or blob), in item order; each holds the item's blocks
-    trailer    TRAILER_TAG | u32 length | canonical JSON (target fingerprints, frame offsets)
+    trailer    TRAILER_TAG | u32 length | one zstd frame of canonical JSON (target fingerprints...)
     footer     u64 trailer offset | u64 xxh3-64 of every byte before this field | END_MAGIC
 """
 
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import xxhash
+import zstandard
 
+from pulsectl.codecs import _zstd
 from pulsectl.errors import CorruptPatchError, FormatError
 
 MAGIC = b"\x89PULSE\r\n"
@@ -40,6 +41,8 @@ MIN_BLOCK_BYTES = 4096
 MAX_BLOCK_BYTES = 256 * 1024 * 1024
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
 BLOCK_PAYLOAD_SLACK = 1024 * 1024  # a payload may exceed block_bytes by at most this much
+MAX_JSON_BYTES = 256 * 1024 * 1024  # decompressed header or trailer
+JSON_ZSTD_LEVEL = 19
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -59,7 +62,7 @@ class PatchWriter:
         self._hash = xxhash.xxh3_64()
         self.offset = 0
         self.frame_offsets: list[int] = []
-        body = canonical_json(header)
+        body = _pack_json(header)
         if len(body) > MAX_HEADER_BYTES:
             raise FormatError(f"patch header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}")
         checksum = xxhash.xxh3_64_intdigest(body)
@@ -87,7 +90,7 @@ class PatchWriter:
         return BLOCK_HEAD.size + len(payload) + BLOCK_CHECK.size
 
     def finish(self, trailer: dict[str, Any]) -> None:
-        body = canonical_json({**trailer, "frames": self.frame_offsets})
+        body = _pack_json({**trailer, "frames": self.frame_offsets})
         trailer_offset = self.offset
         self._write(TRAILER_HEAD.pack(TRAILER_TAG, len(body)))
         self._write(body)
@@ -214,7 +217,7 @@ class PatchReader:
 
 
 def read_trailer_at_end(stream: BinaryIO, name: str) -> dict[str, Any]:
-    """Read only the trailer of a seekable patch (no whole-file checksum: that needs a full read)."""
+    """Read only the trailer of a seekable patch (the file checksum needs a full read)."""
     end = stream.seek(0, 2)
     if end < PREAMBLE.size + FOOTER.size:
         raise CorruptPatchError(f"{name}: too short to be a .pulse patch", path=name)
@@ -229,11 +232,6 @@ def read_trailer_at_end(stream: BinaryIO, name: str) -> dict[str, Any]:
     if tag != TRAILER_TAG or trailer_offset + TRAILER_HEAD.size + length + FOOTER.size != end:
         raise CorruptPatchError(f"{name}: trailer is damaged", path=name)
     return _load_json(_read_exact(stream, length), name, "trailer")
-
-
-def iter_chunks(stream: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
-    while chunk := stream.read(size):
-        yield chunk
 
 
 def _read_exact(stream: BinaryIO, n: int) -> bytes:
@@ -253,9 +251,19 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
+def _pack_json(obj: Any) -> bytes:
+    return _zstd.compress(canonical_json(obj), JSON_ZSTD_LEVEL)
+
+
 def _load_json(body: bytes, name: str, what: str) -> dict[str, Any]:
     try:
-        obj = json.loads(body.decode("utf-8"))
+        size = zstandard.get_frame_parameters(body).content_size
+    except zstandard.ZstdError as exc:
+        raise CorruptPatchError(f"{name}: {what} is damaged ({exc})", path=name) from exc
+    if not 0 < size <= MAX_JSON_BYTES:
+        raise CorruptPatchError(f"{name}: {what} claims {size} bytes of JSON", path=name)
+    try:
+        obj = json.loads(_zstd.decompress(body, size).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptPatchError(f"{name}: {what} is not valid JSON ({exc})", path=name) from exc
     if not isinstance(obj, dict):

@@ -16,6 +16,7 @@ from pulsectl.info import read_patch_info
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
 CASES = [
     ("single.pulse", "single_base.safetensors", "single_target.safetensors"),
+    ("single_max.pulse", "single_base.safetensors", "single_target.safetensors"),
     ("dir.pulse", "dir_base", "dir_target"),
 ]
 
@@ -35,9 +36,7 @@ def _same_tree(a: Path, b: Path) -> bool:
         return a.read_bytes() == b.read_bytes()
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    return files_a == files_b and all(
-        filecmp.cmp(a / f, b / f, shallow=False) for f in files_a
-    )
+    return files_a == files_b and all(filecmp.cmp(a / f, b / f, shallow=False) for f in files_a)
 
 
 @pytest.mark.parametrize(("patch", "base", "target"), CASES)
@@ -51,7 +50,8 @@ def test_golden_patch_applies_to_exact_target(tmp_path: Path, patch: str, base: 
 def test_diff_reproduces_golden_bytes(tmp_path: Path, patch: str, base: str, target: str):
     maker = _load_maker()
     out = tmp_path / patch
-    diff_to_path(GOLDEN / base, GOLDEN / target, out, options=maker.OPTIONS)
+    options = maker.MAX_OPTIONS if "max" in patch else maker.OPTIONS
+    diff_to_path(GOLDEN / base, GOLDEN / target, out, options=options)
     assert out.read_bytes() == (GOLDEN / patch).read_bytes()
 
 
@@ -71,7 +71,7 @@ def test_golden_preamble_and_footer_bytes():
     assert data[:8] == MAGIC == b"\x89PULSE\r\n"
     version, flags, header_len = struct.unpack_from("<HHI", data, 8)
     assert (version, flags) == (FORMAT_VERSION, 0) == (1, 0)
-    assert data[24 : 24 + 1] == b"{"
+    assert data[24 : 24 + 4] == b"\x28\xb5\x2f\xfd"  # the header is one zstd frame
     assert data[24 + header_len : 24 + header_len + 4] == b"PFRM"
     assert data[-8:] == END_MAGIC == b"PULSEEND"
     (trailer_offset,) = struct.unpack_from("<Q", data, len(data) - 24)
@@ -81,9 +81,39 @@ def test_golden_preamble_and_footer_bytes():
 def test_golden_contents():
     info = read_patch_info(GOLDEN / "single.pulse", check=True)
     by_name = {t["name"]: t for t in info.to_json()["tensors"]}
-    assert by_name["model.layers.0.mlp.up_proj.weight"]["changed_words"] == 4
+    import numpy as np
+
+    from pulsectl.checkpoint import read_header
+
+    def words(path: Path) -> np.ndarray:
+        info = next(t for t in read_header(path).tensors if t.name.endswith("up_proj.weight"))
+        return np.frombuffer(path.read_bytes()[info.start : info.end], dtype=np.uint16)
+
+    expected = int(
+        (
+            words(GOLDEN / "single_base.safetensors") != words(GOLDEN / "single_target.safetensors")
+        ).sum()
+    )
+    assert by_name["model.layers.0.mlp.up_proj.weight"]["changed_words"] == expected > 4
     assert by_name["model.layers.0.input_layernorm.weight"]["changed_words"] == 1  # -0.0
     assert by_name["model.new_only"]["from_base"] is False
     assert by_name["model.reshaped"]["from_base"] is False
     assert "model.old_only" not in by_name
     assert info.checked
+
+
+def test_golden_max_uses_the_context_codec():
+    from pulsectl.codecs import CODEC_CONTEXT
+    from pulsectl.format import PatchReader, blocks_in
+    from pulsectl.patch import header_from_json
+
+    with open(GOLDEN / "single_max.pulse", "rb") as f:
+        reader = PatchReader(f, "single_max.pulse")
+        header = header_from_json(reader.header, reader.name)
+        codecs = []
+        for index, item in enumerate(header.items):
+            nblocks = blocks_in(item.nbytes, header.block_bytes)
+            reader.read_frame(index, nblocks)
+            codecs += [reader.read_block(1 << 24, "x").codec for _ in range(nblocks)]
+        reader.read_trailer()
+    assert CODEC_CONTEXT in codecs

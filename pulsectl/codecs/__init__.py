@@ -10,15 +10,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pulsectl.codecs import delta, raw
+from pulsectl.codecs import context, delta, raw
 from pulsectl.errors import CorruptPatchError
 
 CODEC_COPY = 0  # identical to the base block; empty payload
 CODEC_STORE = 1  # the new bytes verbatim
 CODEC_ZSTD = 2  # the new bytes, one zstd frame
 CODEC_DELTA = 3  # changed positions and word differences (pulsectl.codecs.delta)
+CODEC_CONTEXT = 4  # the same, positions grouped by the base word's exponent (codecs.context)
 
-CODEC_NAMES = {CODEC_COPY: "copy", CODEC_STORE: "store", CODEC_ZSTD: "zstd", CODEC_DELTA: "delta"}
+CODEC_NAMES = {
+    CODEC_COPY: "copy",
+    CODEC_STORE: "store",
+    CODEC_ZSTD: "zstd",
+    CODEC_DELTA: "delta",
+    CODEC_CONTEXT: "context",
+}
 
 # Above this fraction of changed words the raw codecs are tried as well.
 _DENSE_FRACTION = 0.05
@@ -31,8 +38,17 @@ class EncodedBlock:
     changed: int  # words that differ from the base; every word when there is no base
 
 
-def encode_block(old: np.ndarray | None, new: np.ndarray, word: int, level: int) -> EncodedBlock:
-    """Encode ``new`` (uint8) against ``old`` (uint8, same length, or None) in the smallest codec."""
+def encode_block(
+    old: np.ndarray | None,
+    new: np.ndarray,
+    word: int,
+    level: int,
+    key: tuple[int, int] | None = None,
+) -> EncodedBlock:
+    """Encode ``new`` (uint8) against ``old`` (uint8, same length, or None) in the smallest codec.
+
+    ``key`` (the exponent field of the dtype, see ``context.KEYS``) enables the context codec.
+    """
     nwords = new.size // word
     if old is None:
         return _smallest_raw(new, level, nwords)
@@ -40,6 +56,10 @@ def encode_block(old: np.ndarray | None, new: np.ndarray, word: int, level: int)
     if positions.size == 0:
         return EncodedBlock(CODEC_COPY, b"", 0)
     best = EncodedBlock(CODEC_DELTA, delta.encode(old, new, word, positions, level), positions.size)
+    if key is not None:
+        payload = context.encode(old, new, word, positions, key, level)
+        if len(payload) < len(best.payload):
+            best = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
     if positions.size > _DENSE_FRACTION * nwords:
         alt = _smallest_raw(new, level, positions.size)
         if len(alt.payload) < len(best.payload):
@@ -76,4 +96,8 @@ def decode_block(
         if old is None:
             raise CorruptPatchError("delta block for an item that has no base")
         return delta.decode(old, payload, word)
+    if codec == CODEC_CONTEXT:
+        if old is None:
+            raise CorruptPatchError("context block for an item that has no base")
+        return context.decode(old, payload, word)
     raise CorruptPatchError(f"unknown block codec {codec}")

@@ -1,0 +1,240 @@
+"""The context delta codec (codec id 4), used by ``--level max``.
+
+The receiver holds the base, so anything computed from it is free. A word's chance of changing
+depends mostly on its exponent: an Adam step is about the same size everywhere, while the BF16
+rounding step (one unit in the last place) doubles with each exponent. This codec groups the
+block's words by a *key* read from the base word (its exponent field), so each group has its own
+change rate, and codes, per group, the gaps between changed words with a Rice code whose
+parameter fits that group's rate. Values are coded as in codec 3, in the same order, so that
+runs of similar moves sit together.
+
+Payload layout (little-endian), mirrored in docs/FORMAT.md:
+  u32 count, u8 word, u8 key_shift, u8 key_bits, u8 reserved (0),
+  u16 contexts, u16 reserved (0), u32 table_bytes, the context table as one zstd frame of
+  contexts x 7 bytes: all u16 keys (ascending), then all u8 rice_k, then all u32 changes,
+  u32 unary_bytes, unary stream, u32 remainder_bytes, remainder stream,
+  word x u32 value plane sizes, value planes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from pulsectl.codecs import _zstd
+from pulsectl.errors import CorruptPatchError
+
+_HEAD = struct.Struct("<IBBBBHH")
+_CTX_BYTES = 7  # per context: u16 key, u8 rice_k, u32 changes (stored column by column)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+MAX_RICE_K = 31
+
+# Exponent fields (shift, bits) of the float dtypes, on the word the codec sees.
+KEYS: dict[str, tuple[int, int]] = {
+    "BF16": (7, 8),
+    "F16": (10, 5),
+    "F32": (23, 8),
+    "C64": (23, 8),
+    "F64": (52, 11),
+    "F8_E4M3": (3, 4),
+    "F8_E5M2": (2, 5),
+}
+
+
+def keys_of(old: np.ndarray, word: int, key: tuple[int, int]) -> np.ndarray:
+    """The context key of every base word: its bits [shift, shift + bits)."""
+    shift, bits = key
+    words = old.view(_UINT[word])
+    field = (words >> _UINT[word](shift)) & _UINT[word]((1 << bits) - 1)
+    return field.astype(np.uint8 if bits <= 8 else np.uint16)
+
+
+def encode(
+    old: np.ndarray,
+    new: np.ndarray,
+    word: int,
+    positions: np.ndarray,
+    key: tuple[int, int],
+    level: int,
+) -> bytes:
+    """Payload for the changed words at ``positions`` (sorted, non-empty)."""
+    keys = keys_of(old, word, key)
+    perm, starts, sizes = _group(keys, key[1])
+    change_keys = keys[positions]
+    order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
+    positions, change_keys = positions[order], change_keys[order]
+    present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
+    ranks = np.empty(positions.size, dtype=np.int64)
+    for e, lo, n in zip(present, first, counts, strict=True):
+        # A stable sort keeps each context's words in position order: ranks by bisection.
+        group = perm[starts[e] : starts[e] + sizes[e]]
+        ranks[lo : lo + n] = np.searchsorted(group, positions[lo : lo + n])
+    # Gaps restart at each context: the first change of a context counts from rank -1.
+    prev = np.concatenate(([-1], ranks[:-1]))
+    prev[first] = -1
+    gaps = ranks - prev - 1
+    ks = np.empty(present.size, dtype=np.uint8)
+    for i, (lo, n) in enumerate(zip(first, counts, strict=True)):
+        ks[i] = _best_rice(gaps[lo : lo + n])
+    table = _zstd.compress(
+        present.astype("<u2").tobytes() + ks.tobytes() + counts.astype("<u4").tobytes(), level
+    )
+    per_change_k = np.repeat(ks, counts).astype(np.int64)
+    unary = _pack_unary(gaps >> per_change_k)
+    remainder = _pack_bits(gaps & ((1 << per_change_k) - 1), per_change_k)
+    utype, stype = _UINT[word], _SINT[word]
+    moved = new.view(utype)[positions] - old.view(utype)[positions]
+    signed = moved.view(stype)
+    zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
+    planes = [
+        np.ascontiguousarray(zigzag.view(np.uint8).reshape(-1, word)[:, p]) for p in range(word)
+    ]
+    packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
+    parts = [
+        _HEAD.pack(positions.size, word, key[0], key[1], 0, present.size, 0),
+        struct.pack("<I", len(table)),
+        table,
+        struct.pack("<I", len(unary)),
+        unary,
+        struct.pack("<I", len(remainder)),
+        remainder,
+        struct.pack(f"<{word}I", *(len(p) for p in packed)),
+        *packed,
+    ]
+    return b"".join(parts)
+
+
+def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
+    """Rebuild the new block (uint8) from the base block and a context-delta payload."""
+    view = memoryview(payload)
+    if len(payload) < _HEAD.size:
+        raise CorruptPatchError("context block is shorter than its header")
+    count, pword, shift, bits, r1, ncontexts, r2 = _HEAD.unpack_from(payload, 0)
+    nwords = old.size // word
+    if pword != word or r1 or r2 or not 1 <= bits <= 16 or shift + bits > 8 * word:
+        raise CorruptPatchError("context block header is damaged")
+    if not 0 < count <= nwords or not 0 < ncontexts <= min(count, 1 << bits):
+        raise CorruptPatchError(f"context block claims {count} changes in {nwords} words")
+    packed_table, offset = _take_sized(view, _HEAD.size)
+    table = np.frombuffer(_zstd.decompress(packed_table, ncontexts * _CTX_BYTES), dtype=np.uint8)
+    present = table[: 2 * ncontexts].view("<u2").astype(np.int64)
+    ks = table[2 * ncontexts : 3 * ncontexts].astype(np.int64)
+    counts = table[3 * ncontexts :].view("<u4").astype(np.int64)
+    if (
+        np.any(np.diff(present) <= 0)
+        or present[-1] >= 1 << bits
+        or np.any(ks > MAX_RICE_K)
+        or np.any(counts == 0)
+        or int(counts.sum()) != count
+    ):
+        raise CorruptPatchError("context block table is damaged")
+    unary, offset = _take_sized(view, offset)
+    remainder, offset = _take_sized(view, offset)
+    per_change_k = np.repeat(ks, counts)
+    quotients = _unpack_unary(unary, count)
+    rems = _unpack_bits(remainder, per_change_k)
+    gaps = (quotients << per_change_k) | rems
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    # Ranks restart at each context: a cumulative sum with the totals of earlier contexts removed.
+    steps = gaps + 1
+    total = np.cumsum(steps)
+    base = np.repeat(total[first] - steps[first], counts)
+    ranks = total - base - 1
+    keys = keys_of(old, word, (shift, bits))
+    perm, starts, sizes = _group(keys, bits)
+    last = first + counts - 1
+    if np.any(ranks[last] >= sizes[present]):
+        raise CorruptPatchError("context block points past the end of a context")
+    positions = perm[np.repeat(starts[present], counts) + ranks]
+    if len(payload) < offset + 4 * word:
+        raise CorruptPatchError("context block is shorter than its value table")
+    plane_sizes = struct.unpack_from(f"<{word}I", payload, offset)
+    offset += 4 * word
+    if offset + sum(plane_sizes) != len(payload):
+        raise CorruptPatchError("context block value planes do not add up to its length")
+    values = np.zeros((count, word), dtype=np.uint8)
+    for p, size in enumerate(plane_sizes):
+        if size:
+            plane = _zstd.decompress(view[offset : offset + size], count)
+            values[:, p] = np.frombuffer(plane, dtype=np.uint8)
+        offset += size
+    utype, stype = _UINT[word], _SINT[word]
+    zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
+    signed = (zigzag >> 1).view(stype) ^ -(zigzag & 1).view(stype)
+    out = old.copy()
+    words = out.view(utype)
+    words[positions] = words[positions] + signed.view(utype)
+    return out
+
+
+def _group(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stable order of the words by key, and each key's start and size in that order."""
+    perm = np.argsort(keys, kind="stable")
+    bounds = np.searchsorted(keys[perm], np.arange((1 << bits) + 1))
+    return perm, bounds[:-1], np.diff(bounds)
+
+
+def _best_rice(gaps: np.ndarray) -> int:
+    """The Rice parameter k that codes ``gaps`` in the fewest bits."""
+    top = max(1, int(gaps.max()).bit_length())
+    costs = [int((gaps >> k).sum()) + gaps.size * (k + 1) for k in range(min(top, MAX_RICE_K) + 1)]
+    return int(np.argmin(costs))
+
+
+def _pack_unary(quotients: np.ndarray) -> bytes:
+    """Each q as q one-bits then a zero-bit, MSB-first into bytes, zero padding."""
+    lengths = quotients + 1
+    ends = np.cumsum(lengths)
+    bits = np.ones(int(ends[-1]), dtype=np.uint8)
+    bits[ends - 1] = 0
+    return np.packbits(bits).tobytes()
+
+
+def _unpack_unary(data: memoryview, count: int) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    zeros = np.flatnonzero(bits == 0)
+    if zeros.size < count:
+        raise CorruptPatchError("context block unary stream is too short")
+    zeros = zeros[:count]
+    return np.diff(zeros, prepend=-1) - 1
+
+
+def _pack_bits(values: np.ndarray, widths: np.ndarray) -> bytes:
+    """Each value as ``width`` bits, MSB-first, concatenated; zero padding."""
+    total = int(widths.sum())
+    if total == 0:
+        return b""
+    ends = np.cumsum(widths)
+    bits = np.zeros(total, dtype=np.uint8)
+    for j in range(int(widths.max())):
+        has = widths > j
+        # bit j counted from the least significant end sits at ends - 1 - j
+        bits[(ends - 1 - j)[has]] = ((values[has] >> j) & 1).astype(np.uint8)
+    return np.packbits(bits).tobytes()
+
+
+def _unpack_bits(data: memoryview, widths: np.ndarray) -> np.ndarray:
+    total = int(widths.sum())
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if bits.size < total or bits.size - total >= 8:
+        raise CorruptPatchError("context block remainder stream has the wrong length")
+    out = np.zeros(widths.size, dtype=np.int64)
+    if total == 0:
+        return out
+    ends = np.cumsum(widths)
+    for j in range(int(widths.max())):
+        has = widths > j
+        out[has] |= bits[(ends - 1 - j)[has]].astype(np.int64) << j
+    return out
+
+
+def _take_sized(view: memoryview, offset: int) -> tuple[memoryview, int]:
+    if len(view) < offset + 4:
+        raise CorruptPatchError("context block is truncated")
+    (n,) = struct.unpack_from("<I", view, offset)
+    offset += 4
+    if len(view) < offset + n:
+        raise CorruptPatchError("context block is truncated")
+    return view[offset : offset + n], offset + n
