@@ -12,10 +12,12 @@ import typer
 
 from pulsectl import __version__
 from pulsectl.cli import apply as apply_cmd
+from pulsectl.cli import cast as cast_cmd
 from pulsectl.cli import demo as demo_cmd
 from pulsectl.cli import diff as diff_cmd
 from pulsectl.cli import hash as hash_cmd
 from pulsectl.cli import inspect as inspect_cmd
+from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import Output
 from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError
@@ -63,6 +65,8 @@ app.command("hash")(hash_cmd.hash_)
 app.command("verify")(verify_cmd.verify)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("demo")(demo_cmd.demo)
+app.command("cast")(cast_cmd.cast)
+app.command("stats")(stats_cmd.stats)
 
 
 def _wants_traceback(argv: list[str]) -> bool:

@@ -1,0 +1,173 @@
+"""`pulsectl stats OLD NEW | PATCH | C0 C1 ... Cn [--k 1,2,4,8] [--json] [--plot FILE.png]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pulsectl.cli._options import JsonFlag, Workers
+from pulsectl.cli._output import Output
+from pulsectl.errors import UsageError
+from pulsectl.stats import (
+    BUCKETS,
+    DEFAULT_KS,
+    NO_DELTA,
+    chain_stats,
+    pair_stats,
+    parse_ks,
+    patch_stats,
+    plot_stats,
+)
+
+_BAR_WIDTH = 24
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def stats(
+    ctx: typer.Context,
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            help="OLD NEW (two checkpoints), PATCH (one .pulse file, '-' for stdin) or a chain "
+            "C0 C1 ... Cn (three or more checkpoints, or two with --k)."
+        ),
+    ],
+    as_dtype: Annotated[
+        str | None,
+        typer.Option("--as", help="Compare the casts (bf16, f16, f8_e4m3, f8_e5m2)."),
+    ] = None,
+    k: Annotated[
+        str | None,
+        typer.Option("--k", help=f"Chain steps, e.g. {','.join(map(str, DEFAULT_KS))}."),
+    ] = None,
+    as_json: JsonFlag = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Also draw the figures to this PNG (needs pulsectl[plot])."),
+    ] = None,
+    top: Annotated[int, typer.Option("--top", help="Tensors listed, most changes first.")] = 10,
+    workers: Workers = None,
+) -> None:
+    """Changed words, density, patch size and word-delta histogram, by layer and kind."""
+    out: Output = ctx.obj
+    if len(inputs) == 1:
+        if as_dtype is not None or k is not None:
+            raise UsageError("--as and --k need checkpoints, not a patch")
+        doc = patch_stats(inputs[0]).to_json()
+    elif len(inputs) == 2 and k is None:
+        doc = pair_stats(inputs[0], inputs[1], as_dtype=as_dtype, workers=workers).to_json()
+    else:
+        ks = parse_ks(k) if k is not None else DEFAULT_KS
+        doc = chain_stats(inputs, ks, as_dtype=as_dtype, workers=workers).to_json()
+    if plot is not None:
+        plot_stats(doc, plot)
+        out.info(f"wrote {plot}")
+    if as_json:
+        out.json(doc)
+    elif doc["source"] == "chain":
+        _show_chain(out, doc)
+    else:
+        _show_update(out, doc, top)
+
+
+def _bar(value: float, largest: float) -> str:
+    if largest <= 0:
+        return ""
+    eighths = round(_BAR_WIDTH * 8 * value / largest)
+    return "█" * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
+
+
+def _table(title: str, columns: list[str]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("", "tensor", "kind", "bar") else "right")
+    return table
+
+
+def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
+    total = doc["total"]
+    inputs = doc["inputs"]
+    if doc["source"] == "patch":
+        what = f"patch {inputs['patch']}"
+    else:
+        cast = f" (as {inputs['as']})" if inputs["as"] else ""
+        what = f"{inputs['old']} -> {inputs['new']}{cast}"
+    lines = [
+        f"update         {what}",
+        f"changed words  {total['changed_words']:,} of {total['words']:,} "
+        f"({total['density']:.4%}) in {total['tensors']} tensors",
+    ]
+    if total["patch_bytes"] is not None:
+        per = total["bytes_per_change"]
+        lines.append(
+            f"patch          {total['patch_bytes']:,} bytes"
+            + (f", {per:.2f} B per changed word" if per is not None else "")
+            + f", {total['target_bytes'] / total['patch_bytes']:.1f}x smaller than the target"
+        )
+    out.data("\n".join(lines))
+
+    hist = total["histogram"]
+    changed = total["changed_words"]
+    table = _table("word deltas (|new - old| in ULPs)", ["delta", "words", "share", "bar"])
+    largest = max(hist.values(), default=0)
+    for key in (*BUCKETS, NO_DELTA):
+        if key == NO_DELTA and not hist[key]:
+            continue
+        share = f"{hist[key] / changed:.1%}" if changed else "-"
+        label = "stored whole" if key == NO_DELTA else key
+        table.add_row(label, f"{hist[key]:,}", share, _bar(hist[key], largest))
+    out.rich(table)
+
+    for by, title in (("layer", "by layer"), ("kind", "by kind")):
+        groups = doc[f"by_{by}"]
+        table = _table(title, [by, "tensors", "words", "changed", "density", "bytes", "bar"])
+        largest = max((g["density"] for g in groups), default=0.0)
+        for g in groups:
+            key = g[by]
+            table.add_row(
+                "-" if key is None else str(key),
+                str(g["tensors"]),
+                f"{g['words']:,}",
+                f"{g['changed_words']:,}",
+                f"{g['density']:.3%}",
+                "-" if g["encoded_bytes"] is None else f"{g['encoded_bytes']:,}",
+                _bar(g["density"], largest),
+            )
+        out.rich(table)
+
+    if top > 0:
+        table = _table(f"most changed tensors (top {top})", ["tensor", "changed", "density"])
+        ranked = sorted(doc["tensors"], key=lambda t: (-t["changed_words"], t["name"]))
+        for t in ranked[:top]:
+            table.add_row(t["name"], f"{t['changed_words']:,}", f"{t['density']:.3%}")
+        out.rich(table)
+
+
+def _show_chain(out: Output, doc: dict[str, Any]) -> None:
+    n = len(doc["inputs"]["checkpoints"])
+    cast = f", as {doc['inputs']['as']}" if doc["inputs"]["as"] else ""
+    out.data(f"chain          {n} checkpoints{cast}")
+    table = _table(
+        "k-step density: diff(C_i, C_i+k) over every window",
+        ["k", "windows", "mean", "min", "max", "sparsity", "bar"],
+    )
+    steps = doc["steps"]
+    largest = max((s["mean_density"] or 0.0 for s in steps), default=0.0)
+    for s in steps:
+        if not s["windows"]:
+            table.add_row(str(s["k"]), "0", "-", "-", "-", "-", "")
+            continue
+        table.add_row(
+            str(s["k"]),
+            str(s["windows"]),
+            f"{s['mean_density']:.3%}",
+            f"{s['min_density']:.3%}",
+            f"{s['max_density']:.3%}",
+            f"{1 - s['mean_density']:.2%}",
+            _bar(s["mean_density"], largest),
+        )
+    out.rich(table)
