@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pulsectl.errors import UsageError
+from pulsectl.errors import OutputError, UsageError
 
 
 class Output:
@@ -18,8 +19,11 @@ class Output:
 
     def data(self, text: str) -> None:
         """A line of data for scripts (stdout)."""
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError as exc:
+            raise _pipe_closed("the output") from exc
 
     def json(self, obj: Any) -> None:
         self.data(json.dumps(obj, indent=2, sort_keys=False))
@@ -73,4 +77,36 @@ def binary_stdout() -> Any:
     """stdout for binary data; refuses a terminal like zstd does."""
     if sys.stdout.isatty():
         raise UsageError("refusing to write a binary patch to a terminal; use -o FILE or a pipe")
-    return sys.stdout.buffer
+    return _PipeWriter(sys.stdout.buffer)
+
+
+class _PipeWriter:
+    """A binary stdout whose reader may go away (`pulsectl diff a b | head -c 100`)."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    def write(self, data: bytes | memoryview) -> int:
+        try:
+            return int(self._raw.write(data))
+        except BrokenPipeError as exc:
+            raise _pipe_closed("the patch") from exc
+
+    def flush(self) -> None:
+        try:
+            self._raw.flush()
+        except BrokenPipeError as exc:
+            raise _pipe_closed("the patch") from exc
+
+
+def _pipe_closed(what: str) -> OutputError:
+    """A closed stdout pipe as a pulsectl error.
+
+    typer (like click) catches an EPIPE OSError itself and exits 1 without a word, so it must
+    not reach typer. stdout is pointed at /dev/null so the interpreter's final flush is quiet.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return OutputError(f"output pipe closed before {what} was complete")

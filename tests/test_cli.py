@@ -1,0 +1,298 @@
+"""The CLI through its error boundary ``pulsectl.cli.app.main``: exit codes, streams, messages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from conftest import TEMP_GLOB, tree_bytes
+from safetensors import safe_open
+
+from pulsectl import __version__
+from pulsectl.cli.app import main
+
+
+def _error_line(err: str) -> str:
+    """The stderr of a failed command must be exactly one ``pulsectl: error:`` line."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pulsectl: error: "), err
+    assert "Traceback (most recent call last)" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def pair(chain: list[Path], tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Copies of steps 0 and 1 and the patch between them, in a fresh folder."""
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.write_bytes(chain[0].read_bytes())
+    b.write_bytes(chain[1].read_bytes())
+    p = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(a), str(b), "-o", str(p)]) == 0
+    return a, b, p
+
+
+def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity" in " ".join(out.split())
+    for command in ("diff", "apply", "hash", "verify", "inspect"):
+        assert command in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"pulsectl {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nonsense"],
+        ["diff"],
+        ["diff", "x.safetensors"],
+        ["diff", "--level", "0", "a", "b"],
+        ["diff", "--level", "23", "a", "b"],
+        ["diff", "--no-such-option", "a", "b"],
+        ["apply", "a.safetensors"],
+        ["apply", "-j", "0", "a", "p", "-o", "c"],
+        ["verify", "a"],
+        ["inspect"],
+        ["hash"],
+    ],
+)
+def test_parser_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "Traceback (most recent call last)" not in capsys.readouterr().err
+
+
+def test_library_usage_errors_exit_2(
+    pair: tuple[Path, Path, Path],
+    sharded_chain: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b, p = pair
+    cases = [
+        (["apply", str(a), str(p)], "give -o OUT"),
+        (["apply", str(a), str(p), "-o", str(tmp_path / "c"), "--in-place"], "--in-place"),
+        (["apply", str(a), str(p), "-o", str(a)], "is BASE"),
+        (["apply", str(a), "-", "-", "-o", str(tmp_path / "c")], "only once"),
+        (["verify", str(b)], "exactly one of --patch and --hash"),
+        (["verify", str(b), "--patch", str(p), "--hash", "0" * 32], "exactly one"),
+        (["verify", str(b), "--hash", "xyz"], "not a 32-digit hex"),
+        (
+            ["diff", str(a), str(sharded_chain[1]), "-o", str(tmp_path / "q")],
+            "a file against a file",
+        ),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        assert needle in _error_line(capsys.readouterr().err)
+    assert not (tmp_path / "c").exists()
+    assert not (tmp_path / "q").exists()
+    assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_diff_refuses_a_terminal(
+    pair: tuple[Path, Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    a, b, _ = pair
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["diff", str(a), str(b)]) == 2
+    assert "terminal" in _error_line(capsys.readouterr().err)
+
+
+def test_diff_to_stdout_equals_diff_to_file(
+    pair: tuple[Path, Path, Path], capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    a, b, p = pair
+    assert main(["diff", str(a), str(b)]) == 0
+    first = capsysbinary.readouterr()
+    assert first.out == p.read_bytes()
+    assert b"words changed" in first.err  # the summary goes to stderr, not into the patch
+    assert main(["-q", "diff", str(a), str(b), "-o", "-"]) == 0
+    second = capsysbinary.readouterr()
+    assert second.out == p.read_bytes()
+    assert second.err == b""
+
+
+def test_overwrite_needs_force(
+    pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, p = pair
+    c = tmp_path / "c.safetensors"
+    c.write_bytes(b"keep me")
+    assert main(["apply", str(a), str(p), "-o", str(c)]) == 1
+    assert "exists; pass -f" in _error_line(capsys.readouterr().err)
+    assert c.read_bytes() == b"keep me"
+    assert main(["apply", str(a), str(p), "-o", str(c), "-f"]) == 0
+    assert c.read_bytes() == b.read_bytes()
+    capsys.readouterr()
+
+    before = p.read_bytes()
+    assert main(["diff", str(b), str(a), "-o", str(p)]) == 1
+    assert str(p) in _error_line(capsys.readouterr().err)
+    assert p.read_bytes() == before
+    assert main(["diff", str(b), str(a), "-o", str(p), "--force"]) == 0
+    assert p.read_bytes() != before
+    assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_apply_in_place(pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, p = pair
+    assert main(["apply", str(a), str(p), "--in-place"]) == 0
+    assert a.read_bytes() == b.read_bytes()
+    assert "verified" in capsys.readouterr().err
+    assert not list(a.parent.glob(TEMP_GLOB))
+    # A second time the base is the target: wrong base, nothing changes.
+    assert main(["apply", str(a), str(p), "--in-place"]) == 3
+    assert "wrong base" in _error_line(capsys.readouterr().err)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_apply_in_place_folder(sharded_chain: list[Path], tmp_path: Path) -> None:
+    import shutil
+
+    base = tmp_path / "ckpt"
+    shutil.copytree(sharded_chain[0], base)
+    p = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(base), str(sharded_chain[2]), "-o", str(p)]) == 0
+    assert main(["-q", "apply", str(base), str(p), "--in-place"]) == 0
+    assert tree_bytes(base) == tree_bytes(sharded_chain[2])
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt", "p.pulse"]
+
+
+def test_hash_format(
+    pair: tuple[Path, Path, Path], sharded_chain: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, _ = pair
+    assert main(["hash", str(a), str(b), str(sharded_chain[0])]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == f"{xxhash.xxh3_128_hexdigest(a.read_bytes())}  {a}"
+    assert lines[1] == f"{xxhash.xxh3_128_hexdigest(b.read_bytes())}  {b}"
+    digest, path = lines[2].split("  ")
+    assert len(digest) == 32 and int(digest, 16) >= 0 and path == str(sharded_chain[0])
+    assert captured.err == ""
+
+
+def test_verify(pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, p = pair
+    assert main(["verify", str(b), "--patch", str(p)]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["verify", str(a), "--patch", str(p)]) == 3
+    assert str(a) in _error_line(capsys.readouterr().err)
+    digest = xxhash.xxh3_128_hexdigest(b.read_bytes())
+    assert main(["verify", str(b), "--hash", digest]) == 0
+    assert main(["verify", str(b), "--hash", digest.upper()]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(a), "--hash", digest]) == 3
+    assert digest in _error_line(capsys.readouterr().err)
+
+
+def _words_changed(a: Path, b: Path) -> int:
+    """An independent count: tensors loaded by safetensors, words compared by numpy."""
+    total = 0
+    with safe_open(str(a), framework="pt") as fa, safe_open(str(b), framework="pt") as fb:
+        for name in fa.keys():  # noqa: SIM118
+            x = fa.get_tensor(name).view(torch.int16).numpy()
+            y = fb.get_tensor(name).view(torch.int16).numpy()
+            total += int((x != y).sum())
+    return total
+
+
+def test_inspect_json(pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, p = pair
+    assert main(["inspect", str(p), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {
+        "schema",
+        "patch",
+        "format_version",
+        "patch_bytes",
+        "checked",
+        "writer",
+        "layout",
+        "block_bytes",
+        "base",
+        "target",
+        "changed_words",
+        "total_words",
+        "density",
+        "tensors",
+    } <= doc.keys()
+    assert doc["schema"] == 1 and doc["layout"] == "file"
+    assert doc["patch_bytes"] == p.stat().st_size
+    assert doc["base"]["fingerprint"] == xxhash.xxh3_128_hexdigest(a.read_bytes())
+    assert doc["target"]["fingerprint"] == xxhash.xxh3_128_hexdigest(b.read_bytes())
+    assert doc["target"]["bytes"] == b.stat().st_size
+    with safe_open(str(b), framework="pt") as f:
+        names = sorted(f.keys())
+    assert sorted(t["name"] for t in doc["tensors"]) == names
+    assert doc["total_words"] == sum(t["words"] for t in doc["tensors"])
+    assert doc["changed_words"] == sum(t["changed_words"] for t in doc["tensors"])
+    assert doc["changed_words"] == _words_changed(a, b)
+    assert 0 < doc["density"] < 1
+    for t in doc["tensors"]:
+        assert t["dtype"] == "BF16" and t["from_base"] is True
+        assert t["words"] * 2 == t["nbytes"]
+        assert t["encoded_bytes"] > 0
+
+
+def test_inspect_check_and_human(
+    pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _, p = pair
+    assert main(["inspect", str(p), "--check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] is True
+    assert main(["inspect", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert xxhash.xxh3_128_hexdigest(a.read_bytes()) in out
+    assert "changed words" in out
+
+
+def test_errors_on_bad_inputs(
+    tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, p = pair
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}")
+    cases = [
+        (["diff", str(tmp_path / "missing"), str(b), "-o", str(tmp_path / "x")], "missing"),
+        (["diff", str(junk), str(b), "-o", str(tmp_path / "x")], "junk.safetensors"),
+        (["inspect", str(a)], "not a .pulse patch"),
+        (["inspect", str(tmp_path / "nope.pulse")], "nope.pulse"),
+        (["apply", str(a), str(tmp_path / "nope.pulse"), "-o", str(tmp_path / "x")], "nope.pulse"),
+        (["apply", str(a), str(p), "-o", str(tmp_path / "no" / "x")], "does not exist"),
+        (["hash", str(tmp_path / "missing")], "missing"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 1, argv
+        assert needle in _error_line(capsys.readouterr().err)
+    assert not (tmp_path / "x").exists()
+    assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_quiet_silences_stderr(
+    pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _, p = pair
+    assert main(["-q", "apply", str(a), str(p), "-o", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_verbose_shows_traceback(
+    pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _, p = pair
+    assert main(["-v", "verify", str(a), "--patch", str(p)]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("pulsectl: error: ")

@@ -1,0 +1,266 @@
+"""Integrity failures: exit 3 (or 1), one clear line, no output, no temp files, BASE untouched."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from conftest import tree_bytes
+from safetensors.torch import save_file
+
+from pulsectl.cli.app import main
+from pulsectl.codecs import CODEC_STORE
+from pulsectl.format import BLOCK_CHECK, BLOCK_HEAD, FOOTER, FRAME_HEAD
+from pulsectl.info import read_patch_info
+
+
+@pytest.fixture
+def work(chain: list[Path], tmp_path: Path) -> dict[str, Path]:
+    """Steps 0..3 copied into ``in/``, patches p1..p3 in ``patches/``, an empty ``out/``."""
+    src, patches, out = tmp_path / "in", tmp_path / "patches", tmp_path / "out"
+    for d in (src, patches, out):
+        d.mkdir()
+    paths: dict[str, Path] = {"out": out}
+    for i in range(4):
+        paths[f"s{i}"] = src / f"s{i}.safetensors"
+        shutil.copy(chain[i], paths[f"s{i}"])
+    for i in range(1, 4):
+        paths[f"p{i}"] = patches / f"p{i}.pulse"
+        argv = [
+            "-q",
+            "diff",
+            str(paths[f"s{i - 1}"]),
+            str(paths[f"s{i}"]),
+            "-o",
+            str(paths[f"p{i}"]),
+        ]
+        assert main(argv) == 0
+    return paths
+
+
+Capsys = pytest.CaptureFixture[str]
+
+
+def _fails(cap: Capsys, argv: list[str], code: int, out_dir: Path, watched: list[Path]) -> str:
+    """Run ``argv``: exit ``code``, one error line, ``out_dir`` empty, ``watched`` unchanged."""
+    cap.readouterr()
+    before = {p: tree_bytes(p) for p in watched}
+    assert main(argv) == code, argv
+    lines = cap.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pulsectl: error: "), lines
+    assert list(out_dir.iterdir()) == [], "output or temp files left behind"
+    assert {p: tree_bytes(p) for p in watched} == before, "an input was modified"
+    return lines[0]
+
+
+def _apply_argv(w: dict[str, Path], base: str, *patches: str) -> list[str]:
+    return ["apply", str(w[base]), *(str(w[p]) for p in patches), "-o", str(w["out"] / "c")]
+
+
+def test_good_chain_works(work: dict[str, Path]) -> None:
+    assert main(_apply_argv(work, "s0", "p1", "p2", "p3")) == 0
+    assert (work["out"] / "c").read_bytes() == work["s3"].read_bytes()
+
+
+def test_wrong_base(work: dict[str, Path], capsys: Capsys) -> None:
+    msg = _fails(capsys, _apply_argv(work, "s1", "p1"), 3, work["out"], [work["s1"], work["p1"]])
+    assert "wrong base" in msg and str(work["s1"]) in msg and "p1.pulse" in msg
+    assert "tensor '" in msg  # names the first tensor that differs
+
+
+def test_chain_out_of_order(work: dict[str, Path], capsys: Capsys) -> None:
+    msg = _fails(capsys, _apply_argv(work, "s0", "p2", "p1"), 3, work["out"], [work["s0"]])
+    assert "out of order" in msg and "p1.pulse" in msg
+
+
+def test_chain_missing_middle_patch(work: dict[str, Path], capsys: Capsys) -> None:
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1", "p3"), 3, work["out"], [work["s0"]])
+    assert "out of order" in msg and "p3.pulse" in msg and "missing" in msg
+
+
+def test_chain_out_of_order_from_stdin(
+    work: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: Capsys
+) -> None:
+    """The order check also holds when a patch arrives on stdin (no trailer to peek at)."""
+    import io
+    import sys
+
+    stdin = io.TextIOWrapper(io.BytesIO(work["p2"].read_bytes()))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    argv = ["apply", str(work["s0"]), str(work["p1"]), "-", "-o", str(work["out"] / "c")]
+    assert main(argv) == 0  # p1 then p2 from stdin: fine
+    (work["out"] / "c").unlink()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(work["p3"].read_bytes())))
+    msg = _fails(capsys, argv, 3, work["out"], [work["s0"]])
+    assert "out of order" in msg
+
+
+def _largest_frame(patch: Path) -> tuple[int, int, str]:
+    """Offset and size of the largest frame's first block payload, and its tensor's name."""
+    info = read_patch_info(patch)
+    index = max(range(len(info.trailer.items)), key=lambda i: info.trailer.items[i].encoded)
+    frame = info.trailer.frames[index]
+    data = patch.read_bytes()
+    _, _, length = BLOCK_HEAD.unpack_from(data, frame + FRAME_HEAD.size)
+    name = info.header.items[index].name
+    assert name is not None and length > 16
+    return frame + FRAME_HEAD.size + BLOCK_HEAD.size, length, name
+
+
+def test_corrupted_frame(work: dict[str, Path], capsys: Capsys) -> None:
+    start, length, name = _largest_frame(work["p1"])
+    data = bytearray(work["p1"].read_bytes())
+    data[start + length // 2] ^= 0x10
+    work["p1"].write_bytes(data)
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1"), 3, work["out"], [work["s0"]])
+    assert repr(name) in msg and "p1.pulse" in msg and "damaged" in msg
+
+
+def test_corrupted_second_patch_removes_first_result(work: dict[str, Path], capsys: Capsys) -> None:
+    start, length, name = _largest_frame(work["p2"])
+    data = bytearray(work["p2"].read_bytes())
+    data[start + 3] ^= 0xFF
+    work["p2"].write_bytes(data)
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1", "p2", "p3"), 3, work["out"], [work["s0"]])
+    assert repr(name) in msg and "p2.pulse" in msg
+
+
+def test_in_place_failure_leaves_base(work: dict[str, Path], capsys: Capsys) -> None:
+    start, length, _ = _largest_frame(work["p1"])
+    data = bytearray(work["p1"].read_bytes())
+    data[start] ^= 0x01
+    work["p1"].write_bytes(data)
+    folder = work["s0"].parent
+    before = sorted(p.name for p in folder.iterdir())
+    _fails(
+        capsys, ["apply", str(work["s0"]), str(work["p1"]), "--in-place"], 3, work["out"], [folder]
+    )
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def _reseal(data: bytearray, payload_start: int, length: int) -> None:
+    """Recompute the block checksum and the file checksum after editing a payload."""
+    head = bytes(data[payload_start - BLOCK_HEAD.size : payload_start + length])
+    BLOCK_CHECK.pack_into(data, payload_start + length, xxhash.xxh3_64_intdigest(head))
+    checksum_at = len(data) - FOOTER.size + 8
+    struct.pack_into("<Q", data, checksum_at, xxhash.xxh3_64_intdigest(bytes(data[:checksum_at])))
+
+
+def test_consistent_but_wrong_payload_fails_the_fingerprint(tmp_path: Path, capsys: Capsys) -> None:
+    """A payload edited with valid checksums still cannot produce a wrong output."""
+    gen = torch.Generator().manual_seed(0)
+    save_file({"w": torch.zeros(64)}, tmp_path / "a.safetensors")
+    noise = torch.randint(0, 2**31, (4096,), generator=gen, dtype=torch.int32)
+    save_file({"w": torch.zeros(64), "noise": noise}, tmp_path / "b.safetensors")
+    p, out = tmp_path / "p.pulse", tmp_path / "out"
+    out.mkdir()
+    assert (
+        main(
+            [
+                "-q",
+                "diff",
+                str(tmp_path / "a.safetensors"),
+                str(tmp_path / "b.safetensors"),
+                "-o",
+                str(p),
+            ]
+        )
+        == 0
+    )
+    info = read_patch_info(p)
+    index = [i.name for i in info.header.items].index("noise")
+    frame = info.trailer.frames[index]
+    data = bytearray(p.read_bytes())
+    codec, _, length = BLOCK_HEAD.unpack_from(data, frame + FRAME_HEAD.size)
+    assert codec == CODEC_STORE
+    payload = frame + FRAME_HEAD.size + BLOCK_HEAD.size
+    data[payload + 100] ^= 0x01
+    _reseal(data, payload, length)
+    p.write_bytes(data)
+    assert main(["inspect", "--check", str(p)]) == 0  # the container is intact
+    capsys.readouterr()
+    argv = ["apply", str(tmp_path / "a.safetensors"), str(p), "-o", str(out / "c")]
+    msg = _fails(capsys, argv, 3, out, [tmp_path / "a.safetensors"])
+    assert "'noise'" in msg and "fingerprint" in msg
+
+
+def test_truncated_patch(work: dict[str, Path], capsys: Capsys) -> None:
+    full = work["p1"].read_bytes()
+    frame_start, length, _ = _largest_frame(work["p1"])
+    cuts = [
+        0,
+        5,
+        12,
+        30,
+        frame_start - 4,
+        frame_start + length // 2,
+        len(full) - 30,
+        len(full) - 17,
+        len(full) - 1,
+    ]
+    for cut in cuts:
+        work["p1"].write_bytes(full[:cut])
+        msg = _fails(capsys, _apply_argv(work, "s0", "p1"), 3, work["out"], [work["s0"]])
+        assert "ends early" in msg or "truncated" in msg, (cut, msg)
+        assert "p1.pulse" in msg
+        assert main(["inspect", "--check", str(work["p1"])]) in (1, 3)
+        assert "ends early" in capsys.readouterr().err or cut < 8
+
+
+def test_truncated_patch_in_chain(work: dict[str, Path], capsys: Capsys) -> None:
+    full = work["p1"].read_bytes()
+    work["p1"].write_bytes(full[: len(full) // 2])
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1", "p2"), 3, work["out"], [work["s0"]])
+    assert "p1.pulse" in msg and ("ends early" in msg or "truncated" in msg)
+
+
+def test_trailing_garbage(work: dict[str, Path], capsys: Capsys) -> None:
+    work["p1"].write_bytes(work["p1"].read_bytes() + b"\0")
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1"), 3, work["out"], [work["s0"]])
+    assert "p1.pulse" in msg
+
+
+def test_not_a_patch(work: dict[str, Path], capsys: Capsys) -> None:
+    msg = _fails(
+        capsys,
+        ["apply", str(work["s0"]), str(work["s1"]), "-o", str(work["out"] / "c")],
+        1,
+        work["out"],
+        [work["s0"]],
+    )
+    assert "not a .pulse patch" in msg
+
+
+def test_wrong_base_in_folder_names_the_tensor(
+    sharded_chain: list[Path], tmp_path: Path, capsys: Capsys
+) -> None:
+    base, out = tmp_path / "base", tmp_path / "out"
+    shutil.copytree(sharded_chain[0], base)
+    out.mkdir()
+    p = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(base), str(sharded_chain[1]), "-o", str(p)]) == 0
+    shard = sorted(base.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last tensor of the last shard
+    shard.write_bytes(data)
+    msg = _fails(capsys, ["apply", str(base), str(p), "-o", str(out / "c")], 3, out, [base])
+    assert "wrong base" in msg and shard.name in msg and "tensor '" in msg
+
+    shard.unlink()  # a missing shard
+    msg = _fails(capsys, ["apply", str(base), str(p), "-o", str(out / "c")], 3, out, [base])
+    assert "wrong base" in msg and shard.name in msg and "missing" in msg
+
+
+def test_wrong_layout(
+    work: dict[str, Path], sharded_chain: list[Path], tmp_path: Path, capsys: Capsys
+) -> None:
+    """A folder given as BASE of a single-file patch is refused before anything is written."""
+    out = work["out"]
+    code = main(["apply", str(sharded_chain[0]), str(work["p1"]), "-o", str(out / "c")])
+    assert code in (2, 3)
+    assert list(out.iterdir()) == []
+    capsys.readouterr()

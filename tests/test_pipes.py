@@ -1,0 +1,187 @@
+"""The installed console script in real pipes: stdin/stdout patches, exit codes, broken pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from conftest import TEMP_GLOB
+from safetensors.torch import save_file
+
+_SCRIPT = Path(sys.executable).with_name("pulsectl")
+PULSECTL = str(_SCRIPT) if _SCRIPT.exists() else shutil.which("pulsectl")
+pytestmark = pytest.mark.skipif(PULSECTL is None, reason="pulsectl console script not installed")
+
+
+def sh(script: str, cwd: Path, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    """Run a bash pipeline with ``pulsectl`` resolving to the installed script."""
+    env = {**os.environ, "PATH": f"{Path(PULSECTL).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PULSECTL_DEBUG", None)
+    return subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {script}"],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def one_error_line(stderr: bytes) -> str:
+    text = stderr.decode()
+    assert "Traceback" not in text and "Exception ignored" not in text, text
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pulsectl: error: "), text
+    return lines[0]
+
+
+@pytest.fixture
+def ab(chain: list[Path], tmp_path: Path) -> Path:
+    """A folder with a.safetensors (step 0) and b.safetensors (step 2)."""
+    shutil.copy(chain[0], tmp_path / "a.safetensors")
+    shutil.copy(chain[2], tmp_path / "b.safetensors")
+    return tmp_path
+
+
+def test_diff_pipe_apply(ab: Path) -> None:
+    r = sh(
+        "pulsectl diff a.safetensors b.safetensors"
+        " | pulsectl apply a.safetensors - -o c.safetensors && cmp c.safetensors b.safetensors",
+        ab,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b""
+    assert b"verified" in r.stderr
+    assert not list(ab.glob(TEMP_GLOB))
+
+
+def test_redirect_and_dash_o_give_the_same_patch(ab: Path) -> None:
+    r = sh(
+        "pulsectl diff a.safetensors b.safetensors > p1 && "
+        "pulsectl diff -o - a.safetensors b.safetensors > p2 && "
+        "pulsectl -q diff a.safetensors b.safetensors -o p3 && cmp p1 p2 && cmp p1 p3",
+        ab,
+    )
+    assert r.returncode == 0, r.stderr
+    r = sh(
+        "pulsectl apply a.safetensors p1 -o c.safetensors && cmp c.safetensors b.safetensors", ab
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_chain_with_stdin_patch(chain: list[Path], tmp_path: Path) -> None:
+    for i in range(3):
+        shutil.copy(chain[i], tmp_path / f"s{i}.safetensors")
+    r = sh(
+        "pulsectl diff s0.safetensors s1.safetensors -o p1 && "
+        "pulsectl diff s1.safetensors s2.safetensors -o p2 && "
+        "cat p2 | pulsectl apply s0.safetensors p1 - -o out && cmp out s2.safetensors",
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_hash_single_file(ab: Path) -> None:
+    r = sh("pulsectl hash a.safetensors", ab)
+    assert r.returncode == 0
+    digest = xxhash.xxh3_128_hexdigest((ab / "a.safetensors").read_bytes())
+    assert r.stdout.decode() == f"{digest}  a.safetensors\n"
+    assert r.stderr == b""
+
+
+def test_verify_exit_codes(ab: Path) -> None:
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    r = sh("pulsectl verify b.safetensors --patch p", ab)
+    assert r.returncode == 0 and r.stdout == b""
+    r = sh("pulsectl verify a.safetensors --patch p", ab)
+    assert r.returncode == 3
+    assert "a.safetensors" in one_error_line(r.stderr)
+    digest = xxhash.xxh3_128_hexdigest((ab / "b.safetensors").read_bytes())
+    assert sh(f"pulsectl verify b.safetensors --hash {digest}", ab).returncode == 0
+    assert sh(f"pulsectl verify a.safetensors --hash {digest}", ab).returncode == 3
+
+
+def test_inspect_json_from_stdin(ab: Path) -> None:
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    from_file = sh("pulsectl inspect p --json", ab)
+    from_pipe = sh("cat p | pulsectl inspect - --json", ab)
+    assert from_file.returncode == 0 and from_pipe.returncode == 0, from_pipe.stderr
+    a, b = json.loads(from_file.stdout), json.loads(from_pipe.stdout)
+    assert b["checked"] is True and a["checked"] is False
+    assert b["patch_bytes"] == a["patch_bytes"] == (ab / "p").stat().st_size
+    assert b["patch"] == "<stdin>"
+    for key in ("base", "target", "changed_words", "total_words", "tensors", "block_bytes"):
+        assert a[key] == b[key], key
+
+
+def test_damaged_patch_on_stdin(ab: Path) -> None:
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    data = bytearray((ab / "p").read_bytes())
+    data[len(data) // 2] ^= 0x40
+    r = sh("pulsectl apply a.safetensors - -o c", ab, stdin=bytes(data))
+    assert r.returncode == 3
+    assert "<stdin>" in one_error_line(r.stderr)
+    r = sh("pulsectl apply a.safetensors - -o c", ab, stdin=bytes(data[:1000]))
+    assert r.returncode == 3
+    assert "ends early" in one_error_line(r.stderr)
+    assert sorted(p.name for p in ab.iterdir()) == ["a.safetensors", "b.safetensors", "p"]
+
+
+def test_broken_pipe(tmp_path: Path) -> None:
+    """A patch far larger than a pipe buffer, cut off by `head`: one line, non-zero exit."""
+    gen = torch.Generator().manual_seed(1)
+    save_file({"w": torch.zeros(16)}, tmp_path / "a.safetensors")
+    noise = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int32)
+    save_file({"w": torch.zeros(16), "noise": noise}, tmp_path / "b.safetensors")
+    r = sh(
+        "pulsectl diff a.safetensors b.safetensors | head -c 100 > /dev/null; "
+        "echo ${PIPESTATUS[0]} >&2",
+        tmp_path,
+    )
+    *messages, status = r.stderr.decode().strip().splitlines()
+    assert int(status) != 0
+    msg = one_error_line("\n".join(messages).encode())
+    assert "pipe" in msg
+
+
+def test_refuses_to_overwrite_without_force(ab: Path) -> None:
+    (ab / "p").write_bytes(b"old")
+    r = sh("pulsectl diff a.safetensors b.safetensors -o p", ab)
+    assert r.returncode == 1
+    assert "-f" in one_error_line(r.stderr)
+    assert (ab / "p").read_bytes() == b"old"
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p -f", ab).returncode == 0
+    assert (ab / "p").read_bytes() != b"old"
+    (ab / "c").write_bytes(b"old")
+    r = sh("pulsectl apply a.safetensors p -o c", ab)
+    assert r.returncode == 1 and (ab / "c").read_bytes() == b"old"
+    one_error_line(r.stderr)
+    assert (
+        sh("pulsectl apply a.safetensors p -o c --force && cmp c b.safetensors", ab).returncode == 0
+    )
+    assert not list(ab.glob(TEMP_GLOB))
+
+
+def test_apply_in_place(ab: Path) -> None:
+    r = sh(
+        "pulsectl diff a.safetensors b.safetensors -o p"
+        " && pulsectl apply --in-place a.safetensors p && cmp a.safetensors b.safetensors",
+        ab,
+    )
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in ab.iterdir()) == ["a.safetensors", "b.safetensors", "p"]
+
+
+def test_usage_error_exit_2(ab: Path) -> None:
+    r = sh("pulsectl apply a.safetensors", ab)
+    assert r.returncode == 2
+    assert b"Traceback" not in r.stderr and r.stdout == b""
+    r = sh("pulsectl --help", ab)
+    assert r.returncode == 0 and b"Exit codes" in r.stdout
