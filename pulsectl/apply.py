@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -29,9 +28,15 @@ from pulsectl.codecs import decode_block
 from pulsectl.diff import _Files
 from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, OutputError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
-from pulsectl.hashing import checkpoint_fingerprint, new_hasher
+from pulsectl.hashing import checkpoint_fingerprint, fingerprint_range, new_hasher
 from pulsectl.inventory import file_refs, fingerprint_of, scan_file
-from pulsectl.patch import FileRef, PatchHeader, header_from_json, trailer_from_json
+from pulsectl.patch import (
+    FileRef,
+    PatchHeader,
+    PatchTrailer,
+    header_from_json,
+    trailer_from_json,
+)
 
 Progress = Callable[[int, int], None]
 PatchSource = str | Path | BinaryIO
@@ -117,7 +122,8 @@ def apply_patches(
         if current.layout != first_header.layout:
             raise UsageError(
                 f"{base_path} is a {'file' if current.layout == 'file' else 'folder'}, "
-                f"but {first.name} patches a {'file' if first_header.layout == 'file' else 'folder'}"
+                f"but {first.name} patches a "
+                f"{'file' if first_header.layout == 'file' else 'folder'}"
             )
         refs = file_refs(current)
         current_fp = fingerprint_of(current, refs)
@@ -194,7 +200,10 @@ def _apply_one(
     workers: int,
     progress: Progress | None,
 ) -> tuple[list[FileRef], str]:
-    """Write the target of one patch to ``dest`` and verify it; returns its file refs and fingerprint."""
+    """Write the target of one patch to ``dest`` and verify it.
+
+    Returns the written files' refs and the target's fingerprint.
+    """
     bb = header.block_bytes
     base_tensors: list[dict[str, TensorInfo]] = [
         {t.name: t for t in e.header.tensors} if e.header is not None else {} for e in base.files
@@ -245,15 +254,16 @@ def _apply_one(
                     )
 
         results = ordered_map(tasks(), workers)
-        computed_items: list[str] = []
         computed_files: list[FileRef] = []
         done = 0
         item_index = 0
         if header.layout == "dir":
             dest.mkdir()
-        for tfile in header.files:
-            path = dest if header.layout == "file" else dest / tfile.path
+        for file_index, tfile in enumerate(header.files):
+            path = _output_path(dest, header.layout, tfile.path)
             path.parent.mkdir(parents=True, exist_ok=True)
+            # Only whole files are hashed while writing; the per-tensor fingerprints are
+            # recomputed from the written file only if a file does not match (to name the tensor).
             whole = new_hasher()
             written = 0
             try:
@@ -263,21 +273,19 @@ def _apply_one(
                         f.write(prefix)
                         whole.update(prefix)
                         written += len(prefix)
-                    while item_index < len(header.items) and header.items[
-                        item_index
-                    ].file == header.files.index(tfile):
+                    while (
+                        item_index < len(header.items)
+                        and header.items[item_index].file == file_index
+                    ):
                         item = header.items[item_index]
-                        h = new_hasher()
                         for _ in range(blocks_in(item.nbytes, bb)):
                             data = next(results)
                             f.write(memoryview(data))
-                            h.update(data)
                             whole.update(data)
                             written += data.size
                             done += data.size
                             if progress is not None:
                                 progress(done, total)
-                        computed_items.append(h.hexdigest())
                         item_index += 1
                     f.flush()
                     os.fsync(f.fileno())
@@ -289,30 +297,45 @@ def _apply_one(
             raise CorruptPatchError(f"{reader.name}: items are not in file order")
 
     trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
-    for item, want, got in zip(header.items, trailer.items, computed_items, strict=True):
-        if want.fingerprint != got:
-            raise IntegrityError(
-                f"{reader.name}: tensor {item.label!r} came out with fingerprint {got}, "
-                f"the patch says {want.fingerprint}; the output was discarded",
-                path=reader.name,
-                tensor=item.name,
-                expected=want.fingerprint,
-                actual=got,
-            )
     target_fp = checkpoint_fingerprint(
         header.layout, ((r.path, r.size, r.fingerprint) for r in computed_files)
     )
     if [(r.path, r.size, r.fingerprint) for r in computed_files] != [
         (r.path, r.size, r.fingerprint) for r in trailer.target_files
     ] or target_fp != trailer.target_fingerprint:
-        raise IntegrityError(
-            f"{reader.name}: output fingerprint {target_fp} differs from the patch's target "
-            f"{trailer.target_fingerprint}; the output was discarded",
-            path=reader.name,
-            expected=trailer.target_fingerprint,
-            actual=target_fp,
-        )
+        raise _wrong_output(reader.name, header, trailer, dest, target_fp)
     return computed_files, target_fp
+
+
+def _output_path(dest: Path, layout: str, relpath: str) -> Path:
+    return dest if layout == "file" else dest / relpath
+
+
+def _wrong_output(
+    name: str, header: PatchHeader, trailer: PatchTrailer, dest: Path, target_fp: str
+) -> IntegrityError:
+    """Name the first tensor of the written output whose fingerprint is not the patch's."""
+    for item, want in zip(header.items, trailer.items, strict=True):
+        tfile = header.files[item.file]
+        got = fingerprint_range(
+            _output_path(dest, header.layout, tfile.path), item.start, item.nbytes
+        )
+        if got != want.fingerprint:
+            return IntegrityError(
+                f"{name}: tensor {item.label!r} came out with fingerprint {got}, "
+                f"the patch says {want.fingerprint}; the output was discarded",
+                path=name,
+                tensor=item.name,
+                expected=want.fingerprint,
+                actual=got,
+            )
+    return IntegrityError(
+        f"{name}: output fingerprint {target_fp} differs from the patch's target "
+        f"{trailer.target_fingerprint}; the output was discarded",
+        path=name,
+        expected=trailer.target_fingerprint,
+        actual=target_fp,
+    )
 
 
 def _decode_task(
@@ -389,7 +412,8 @@ def _wrong_base(
                     if have != item.base_fingerprint:
                         return IntegrityError(
                             f"{label}: wrong base for {patch}: tensor {item.base_name!r} has "
-                            f"fingerprint {have}, the patch expects {item.base_fingerprint}; {hint}",
+                            f"fingerprint {have}, the patch expects {item.base_fingerprint}; "
+                            f"{hint}",
                             path=label,
                             tensor=item.base_name,
                             expected=item.base_fingerprint,
@@ -403,10 +427,8 @@ def _wrong_base(
             actual=got.fingerprint,
         )
     return IntegrityError(
-        f"{base_path}: wrong base for {patch}: fingerprint differs from {header.base_fingerprint}; {hint}",
+        f"{base_path}: wrong base for {patch}: fingerprint differs from "
+        f"{header.base_fingerprint}; {hint}",
         path=str(base_path),
         expected=header.base_fingerprint,
     )
-
-
-_ = shutil

@@ -20,6 +20,10 @@ from pulsectl import __version__
 from pulsectl._atomic import atomic_file
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import default_workers, ordered_map, pread_array
+
+# `--level max` uses the context codec (positions grouped by the base word's exponent) and
+# zstd level MAX_PRESET_LEVEL for the planes.
+from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL  # noqa: F401
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.codecs import EncodedBlock, encode_block
 from pulsectl.codecs.context import KEYS as CONTEXT_KEYS
@@ -30,12 +34,6 @@ from pulsectl.inventory import scan_file
 from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
 
 Progress = Callable[[int, int], None]
-
-DEFAULT_LEVEL = 3
-MAX_LEVEL = 22
-# `--level max`: the context codec (positions grouped by the base word's exponent) and the
-# strongest zstd level for the planes.
-MAX_PRESET_LEVEL = 19
 
 
 @dataclass(frozen=True)

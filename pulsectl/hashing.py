@@ -46,6 +46,24 @@ def fingerprint_file(path: str | Path) -> str:
     return hasher.hexdigest()
 
 
+def fingerprint_range(path: str | Path, offset: int, nbytes: int) -> str:
+    """Fingerprint of ``nbytes`` bytes of a file from ``offset``."""
+    hasher = new_hasher()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            left = nbytes
+            while left:
+                chunk = f.read(min(READ_CHUNK, left))
+                if not chunk:
+                    raise InputError(f"{path}: shorter than expected", path=path)
+                hasher.update(chunk)
+                left -= len(chunk)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}", path=path) from exc
+    return hasher.hexdigest()
+
+
 def manifest_fingerprint(files: Iterable[tuple[str, int, str]]) -> str:
     """Fingerprint of a directory checkpoint from ``(relpath, size, file fingerprint)`` rows."""
     rows = sorted(files)

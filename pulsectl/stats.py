@@ -30,6 +30,7 @@ import numpy as np
 
 from pulsectl._atomic import atomic_file
 from pulsectl._io import default_workers, ordered_map
+from pulsectl._names import DEFAULT_KS
 from pulsectl.apply import open_patch
 from pulsectl.cast import cast_temporaries, target_dtype
 from pulsectl.checkpoint import Checkpoint, TensorInfo
@@ -46,7 +47,8 @@ STATS_SCHEMA = 1  # version of the JSON of `pulsectl stats --json` (docs/STATS.m
 BUCKETS = ("1", "2", "3-8", ">8")  # word-delta histogram buckets, in ULPs
 NO_DELTA = "no_delta"  # changed words whose delta is unknown (stored whole)
 KINDS = ("embedding", "attention", "mlp", "norm", "bias", "other")
-DEFAULT_KS = (1, 2, 4, 8)
+
+
 CHUNK_BYTES = 8 << 20  # bytes per read of one tensor (a multiple of every word size)
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -10,9 +10,13 @@ import typer
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT if it exists.")]
 Workers = Annotated[
     int | None,
-    typer.Option("--workers", "-j", min=1, help="Worker threads (default: all cores, max 16)."),
+    typer.Option(
+        "--workers", "-j", min=1, metavar="N", help="Worker threads (default: all cores, max 16)."
+    ),
 ]
-Checkpoint = Annotated[
-    Path, typer.Argument(help="A .safetensors file or a Hugging Face checkpoint folder.")
-]
+_CKPT_HELP = "A .safetensors file or a Hugging Face checkpoint folder."
+Checkpoint = Annotated[Path, typer.Argument(metavar="CKPT", help=_CKPT_HELP)]
+OldCheckpoint = Annotated[Path, typer.Argument(metavar="OLD", help=_CKPT_HELP)]
+NewCheckpoint = Annotated[Path, typer.Argument(metavar="NEW", help=_CKPT_HELP)]
+BaseCheckpoint = Annotated[Path, typer.Argument(metavar="BASE", help=_CKPT_HELP)]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]

@@ -17,6 +17,7 @@ from pulsectl.cli import demo as demo_cmd
 from pulsectl.cli import diff as diff_cmd
 from pulsectl.cli import hash as hash_cmd
 from pulsectl.cli import inspect as inspect_cmd
+from pulsectl.cli import loco as loco_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import Output
@@ -67,6 +68,7 @@ app.command("inspect")(inspect_cmd.inspect)
 app.command("demo")(demo_cmd.demo)
 app.command("cast")(cast_cmd.cast)
 app.command("stats")(stats_cmd.stats)
+app.add_typer(loco_cmd.app, name="loco")
 
 
 def _wants_traceback(argv: list[str]) -> bool:
@@ -79,9 +81,23 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+_GLOBAL_FLAGS = ("-q", "--quiet", "-v", "--verbose")
+
+
+def _hoist_global_flags(args: list[str]) -> list[str]:
+    """Accept -q/-v after the command too (`pulsectl diff a b -q`), as users type them."""
+    if "--" in args:
+        cut = args.index("--")
+        head, tail = args[:cut], args[cut:]
+    else:
+        head, tail = args, []
+    flags = [a for a in head if a in _GLOBAL_FLAGS]
+    return flags + [a for a in head if a not in _GLOBAL_FLAGS] + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one ``pulsectl: error: ...`` line and an exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = _hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
     signal.signal(signal.SIGTERM, _on_sigterm)
     code = 0
     try:

@@ -7,19 +7,22 @@ from typing import Annotated
 
 import typer
 
-from pulsectl.apply import apply_patches
-from pulsectl.cli._options import Checkpoint, Force, Workers
+from pulsectl.cli._options import BaseCheckpoint, Force, Workers
 from pulsectl.cli._output import Output
 
 
 def apply(
     ctx: typer.Context,
-    base: Checkpoint,
+    base: BaseCheckpoint,
     patches: Annotated[
-        list[str], typer.Argument(help="Patches in chain order; '-' reads one from stdin.")
+        list[str],
+        typer.Argument(
+            metavar="PATCH", help="Patches in chain order; '-' reads one from stdin."
+        ),
     ],
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Where to write the result.")
+        Path | None,
+        typer.Option("--output", "-o", metavar="OUT", help="Where to write the result."),
     ] = None,
     in_place: Annotated[
         bool, typer.Option("--in-place", help="Replace BASE with the result (atomically).")
@@ -28,6 +31,8 @@ def apply(
     workers: Workers = None,
 ) -> None:
     """Apply a chain of patches to BASE; the result is verified before it appears at OUT."""
+    from pulsectl.apply import apply_patches
+
     out: Output = ctx.obj
     with out.progress("apply") as progress:
         summary = apply_patches(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pulsectl.cast import TARGETS, cast_checkpoint
+from pulsectl._names import CAST_TARGETS
 from pulsectl.cli._options import Checkpoint, Force
 from pulsectl.cli._output import Output
 
@@ -18,7 +18,9 @@ def cast(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Where to write the cast checkpoint.")
     ],
-    to: Annotated[str, typer.Option("--to", help=f"Target dtype: {', '.join(TARGETS)}.")] = "bf16",
+    to: Annotated[
+        str, typer.Option("--to", help=f"Target dtype: {', '.join(CAST_TARGETS)}.")
+    ] = "bf16",
     force: Force = False,
 ) -> None:
     """Write CKPT with its float tensors rounded to --to exactly as torch's .to() does.
@@ -26,6 +28,8 @@ def cast(
     The worker's anchor for `pulsectl diff --as`: F32, F64, F16 and BF16 tensors are cast
     (round to nearest even), everything else is copied unchanged.
     """
+    from pulsectl.cast import cast_checkpoint
+
     out: Output = ctx.obj
     with out.progress("cast") as progress:
         summary = cast_checkpoint(checkpoint, output, to=to, force=force, progress=progress)

@@ -3,34 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pulsectl._io import default_workers
-from pulsectl.cast import cast_temporaries
-from pulsectl.cli._options import Checkpoint, Force, Workers
+from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL
+from pulsectl.cli._options import Force, NewCheckpoint, OldCheckpoint, Workers
 from pulsectl.cli._output import Output, binary_stdout
-from pulsectl.diff import (
-    DEFAULT_LEVEL,
-    MAX_LEVEL,
-    MAX_PRESET_LEVEL,
-    DiffOptions,
-    diff_checkpoints,
-    diff_to_path,
-)
 from pulsectl.errors import UsageError
+
+if TYPE_CHECKING:
+    from pulsectl.diff import DiffOptions
 
 
 def diff(
     ctx: typer.Context,
-    old: Checkpoint,
-    new: Checkpoint,
+    old: OldCheckpoint,
+    new: NewCheckpoint,
     output: Annotated[
         str | None,
         typer.Option(
             "--output",
             "-o",
+            metavar="PATCH",
             help="Patch file to write; '-' for stdout (the default when stdout is not a terminal).",
         ),
     ] = None,
@@ -40,6 +35,7 @@ def diff(
         typer.Option(
             "--level",
             "-l",
+            metavar="LEVEL",
             help=(
                 f"Size/speed trade-off: 1..{MAX_LEVEL} (zstd level of the codec planes, default "
                 f"{DEFAULT_LEVEL}), or 'max' (base-context codec, smallest patches, slower)."
@@ -51,14 +47,23 @@ def diff(
         str | None,
         typer.Option(
             "--as",
+            metavar="DTYPE",
             help="Diff the casts (bf16, f16, f8_e4m3, f8_e5m2): apply to `pulsectl cast OLD`.",
         ),
     ] = None,
 ) -> None:
     """Write the patch that turns OLD into NEW (byte for byte)."""
+    from pulsectl._io import default_workers
+    from pulsectl.diff import diff_checkpoints, diff_to_path
+
     out: Output = ctx.obj
     options = parse_level(level, workers or default_workers())
+    stdout = output is None or output == "-"
+    if stdout:
+        binary_stdout()  # refuse a terminal before any work
     if as_dtype is not None:
+        from pulsectl.cast import cast_temporaries
+
         # Cast both to temporaries beside the output (or in $TMPDIR), diff those, remove them.
         near = None if output is None or output == "-" else output
         with cast_temporaries([old, new], to=as_dtype, near=near) as (old, new):
@@ -82,6 +87,8 @@ def diff(
 
 def parse_level(level: str, workers: int) -> DiffOptions:
     """`--level N` or `--level max` as diff options."""
+    from pulsectl.diff import DiffOptions
+
     if level.strip().lower() == "max":
         return DiffOptions(level=MAX_PRESET_LEVEL, context=True, workers=workers)
     try:

@@ -7,18 +7,20 @@ from typing import Annotated
 
 import typer
 
-from pulsectl.checkpoint import Checkpoint
 from pulsectl.cli._output import Output
-from pulsectl.inventory import fingerprint_of
 
 
 def hash_(
     ctx: typer.Context,
     checkpoints: Annotated[
-        list[Path], typer.Argument(help="Safetensors files or checkpoint folders.")
+        list[Path],
+        typer.Argument(metavar="CKPT", help="Safetensors files or checkpoint folders."),
     ],
 ) -> None:
     """Print '<fingerprint>  <path>' for each checkpoint (the fingerprint patches record)."""
+    from pulsectl.checkpoint import Checkpoint
+    from pulsectl.inventory import fingerprint_of
+
     out: Output = ctx.obj
     for path in checkpoints:
         out.data(f"{fingerprint_of(Checkpoint.open(path))}  {path}")

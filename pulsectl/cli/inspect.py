@@ -8,19 +8,22 @@ import typer
 
 from pulsectl.cli._options import JsonFlag
 from pulsectl.cli._output import Output
-from pulsectl.info import read_patch_info
 
 
 def inspect(
     ctx: typer.Context,
-    patch: Annotated[str, typer.Argument(help="A .pulse file, or '-' for stdin.")],
+    patch: Annotated[str, typer.Argument(metavar="PATCH", help="A .pulse file, or '-' for stdin.")],
     as_json: JsonFlag = False,
     check: Annotated[
         bool, typer.Option("--check", help="Read the whole patch and verify every checksum.")
     ] = False,
-    top: Annotated[int, typer.Option("--top", help="Tensors listed, largest frames first.")] = 20,
+    top: Annotated[
+        int, typer.Option("--top", metavar="N", help="Tensors listed, largest frames first.")
+    ] = 20,
 ) -> None:
     """Show a patch's fingerprints, tensors, change counts and sizes."""
+    from pulsectl.info import read_patch_info
+
     out: Output = ctx.obj
     info = read_patch_info(patch, check=check)
     doc = info.to_json()
@@ -30,7 +33,8 @@ def inspect(
     from rich.table import Table
 
     lines = [
-        f"patch          {doc['patch']} ({_size(doc['patch_bytes'])}, .pulse v{doc['format_version']}, "
+        f"patch          {doc['patch']} ({_size(doc['patch_bytes'])}, "
+        f".pulse v{doc['format_version']}, "
         f"{doc['writer']}{', checksums verified' if doc['checked'] else ''})",
         f"layout         {doc['layout']}, {len(doc['target']['files'])} file(s), "
         f"{len(doc['tensors'])} item(s)",

@@ -7,19 +7,10 @@ from typing import Annotated, Any
 
 import typer
 
+from pulsectl._names import DEFAULT_KS
 from pulsectl.cli._options import JsonFlag, Workers
 from pulsectl.cli._output import Output
 from pulsectl.errors import UsageError
-from pulsectl.stats import (
-    BUCKETS,
-    DEFAULT_KS,
-    NO_DELTA,
-    chain_stats,
-    pair_stats,
-    parse_ks,
-    patch_stats,
-    plot_stats,
-)
 
 _BAR_WIDTH = 24
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -51,6 +42,8 @@ def stats(
     workers: Workers = None,
 ) -> None:
     """Changed words, density, patch size and word-delta histogram, by layer and kind."""
+    from pulsectl.stats import chain_stats, pair_stats, parse_ks, patch_stats, plot_stats
+
     out: Output = ctx.obj
     if len(inputs) == 1:
         if as_dtype is not None or k is not None:
@@ -114,6 +107,8 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
     changed = total["changed_words"]
     table = _table("word deltas (|new - old| in ULPs)", ["delta", "words", "share", "bar"])
     largest = max(hist.values(), default=0)
+    from pulsectl.stats import BUCKETS, NO_DELTA
+
     for key in (*BUCKETS, NO_DELTA):
         if key == NO_DELTA and not hist[key]:
             continue

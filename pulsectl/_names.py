@@ -1,0 +1,7 @@
+"""Constants the CLI needs at start-up, kept free of heavy imports (numpy, zstandard)."""
+
+DEFAULT_LEVEL = 3  # zstd level of the codec planes
+MAX_LEVEL = 22
+MAX_PRESET_LEVEL = 19  # zstd level used by `--level max` (with the context codec)
+CAST_TARGETS = ("bf16", "f16", "f8_e4m3", "f8_e5m2")  # keys of pulsectl.cast.TARGETS
+DEFAULT_KS = (1, 2, 4, 8)  # pulsectl.stats.DEFAULT_KS
