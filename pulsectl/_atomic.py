@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 import shutil
 import tempfile
@@ -43,8 +45,13 @@ def os_error(exc: OSError, path: Path) -> OutputError:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, force: bool) -> Iterator[BinaryIO]:
-    """Yield a temp file beside ``path``; on success it replaces ``path``, else it is removed."""
+def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[BinaryIO]:
+    """Yield a temp file beside ``path``; on success it replaces ``path``, else it is removed.
+
+    The rename is atomic for every other process whatever happens to this one (a kill leaves the
+    old file or the new one). ``durable`` also fsyncs before the rename, so that a power loss
+    cannot leave an empty file behind the new name.
+    """
     check_target(path, force)
     try:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
@@ -55,7 +62,8 @@ def atomic_file(path: Path, force: bool) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o644 & ~_umask())
         os.replace(tmp, path)
     except OSError as exc:
@@ -67,14 +75,52 @@ def atomic_file(path: Path, force: bool) -> Iterator[BinaryIO]:
 
 
 def install(tmp: Path, path: Path) -> None:
-    """Move a finished temp file or folder to ``path`` (replacing what is there)."""
+    """Move a finished temp file or folder to ``path`` (replacing what is there).
+
+    A folder cannot be renamed over a folder, so where the system can (Linux) the two are
+    swapped in one step and ``path`` is at every moment the old folder or the new one; a kill
+    -9 before the old one is removed leaves it under a temp name. Elsewhere: two renames, the
+    first undone if the second fails or is interrupted.
+    """
     if tmp.is_dir() and path.exists():
+        if _exchange(tmp, path):
+            remove(tmp)  # now the old folder
+            return
         old = temp_path(path)
         os.replace(path, old)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
         remove(old)
     else:
         os.replace(tmp, path)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # old kernel or file system
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def remove(path: Path) -> None:

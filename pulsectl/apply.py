@@ -83,8 +83,13 @@ def apply_patches(
     workers: int | None = None,
     progress: Progress | None = None,
     stdin: BinaryIO | None = None,
+    durable: bool = False,
 ) -> ApplySummary:
-    """Apply ``patches`` in order to ``base`` and write the verified result to ``out``."""
+    """Apply ``patches`` in order to ``base`` and write the verified result to ``out``.
+
+    The result appears at ``out`` only once verified (temp file, then rename); ``durable`` also
+    fsyncs it before the rename.
+    """
     base_path = Path(base)
     if not patches:
         raise UsageError("no patch given")
@@ -120,10 +125,12 @@ def apply_patches(
         opened[0] = (first, opened[0][1])
         first_header = read_header(first)
         if current.layout != first_header.layout:
-            raise UsageError(
-                f"{base_path} is a {'file' if current.layout == 'file' else 'folder'}, "
-                f"but {first.name} patches a "
-                f"{'file' if first_header.layout == 'file' else 'folder'}"
+            raise IntegrityError(
+                f"{base_path}: wrong base for {first.name}: it is a "
+                f"{'file' if current.layout == 'file' else 'folder'}, the patch is for a "
+                f"{'single file' if first_header.layout == 'file' else 'folder'}; "
+                "apply the patch to the checkpoint it was made from",
+                path=str(base_path),
             )
         refs = file_refs(current)
         current_fp = fingerprint_of(current, refs)
@@ -147,9 +154,14 @@ def apply_patches(
                         expected=header.base_fingerprint,
                         actual=current_fp,
                     )
+                if i > 0:  # every target of a chain must fit, not only the first
+                    _check_space(out_path, header.target_bytes)
                 dest = temp_path(out_path)
                 temps.append(dest)
-                refs, current_fp = _apply_one(reader, header, current, dest, workers, progress)
+                last = i == len(opened) - 1
+                refs, current_fp = _apply_one(
+                    reader, header, current, dest, workers, progress, durable and last
+                )
                 if len(temps) > 1:
                     remove(temps.pop(0))
                 current = Checkpoint.open(dest)
@@ -199,6 +211,7 @@ def _apply_one(
     dest: Path,
     workers: int,
     progress: Progress | None,
+    durable: bool = False,
 ) -> tuple[list[FileRef], str]:
     """Write the target of one patch to ``dest`` and verify it.
 
@@ -288,7 +301,8 @@ def _apply_one(
                                 progress(done, total)
                         item_index += 1
                     f.flush()
-                    os.fsync(f.fileno())
+                    if durable:
+                        os.fsync(f.fileno())
             except OSError as exc:
                 raise os_error(exc, path) from exc
             computed_files.append(FileRef(tfile.path, written, whole.hexdigest()))
@@ -376,7 +390,8 @@ def _check_space(out: Path, need: int) -> None:
     free = st.f_bavail * st.f_frsize
     if need > free:
         raise OutputError(
-            f"{out}: the patch's target needs {need:,} bytes but {out.parent} has {free:,} free",
+            f"{out}: the patch's target needs {need:,} bytes but {out.parent} has {free:,} "
+            "free; free some space or write the output elsewhere",
             path=out,
         )
 

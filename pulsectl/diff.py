@@ -63,9 +63,14 @@ def diff_to_path(
     force: bool = False,
     options: DiffOptions | None = None,
     progress: Progress | None = None,
+    durable: bool = False,
 ) -> DiffSummary:
-    """Write the patch from ``old`` to ``new`` to ``out`` atomically."""
-    with atomic_file(Path(out), force) as f:
+    """Write the patch from ``old`` to ``new`` to ``out`` atomically (fsynced if ``durable``)."""
+    out = Path(out)
+    for source in (Path(old), Path(new)):
+        if out.exists() and source.exists() and out.resolve() == source.resolve():
+            raise UsageError(f"{out} is an input of the diff; write the patch elsewhere")
+    with atomic_file(out, force, durable) as f:
         return diff_checkpoints(old, new, f, options=options, progress=progress)
 
 

@@ -19,4 +19,10 @@ Checkpoint = Annotated[Path, typer.Argument(metavar="CKPT", help=_CKPT_HELP)]
 OldCheckpoint = Annotated[Path, typer.Argument(metavar="OLD", help=_CKPT_HELP)]
 NewCheckpoint = Annotated[Path, typer.Argument(metavar="NEW", help=_CKPT_HELP)]
 BaseCheckpoint = Annotated[Path, typer.Argument(metavar="BASE", help=_CKPT_HELP)]
+Fsync = Annotated[
+    bool,
+    typer.Option(
+        "--fsync", help="fsync the output before renaming it into place (power-loss safe)."
+    ),
+]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pulsectl.cli._options import BaseCheckpoint, Force, Workers
+from pulsectl.cli._options import BaseCheckpoint, Force, Fsync, Workers
 from pulsectl.cli._output import Output
 
 
@@ -16,9 +16,7 @@ def apply(
     base: BaseCheckpoint,
     patches: Annotated[
         list[str],
-        typer.Argument(
-            metavar="PATCH", help="Patches in chain order; '-' reads one from stdin."
-        ),
+        typer.Argument(metavar="PATCH", help="Patches in chain order; '-' reads one from stdin."),
     ],
     output: Annotated[
         Path | None,
@@ -28,6 +26,7 @@ def apply(
         bool, typer.Option("--in-place", help="Replace BASE with the result (atomically).")
     ] = False,
     force: Force = False,
+    fsync: Fsync = False,
     workers: Workers = None,
 ) -> None:
     """Apply a chain of patches to BASE; the result is verified before it appears at OUT."""
@@ -43,6 +42,7 @@ def apply(
             force=force,
             workers=workers,
             progress=progress,
+            durable=fsync,
         )
     out.info(
         f"wrote {summary.output} ({summary.target_bytes:,} bytes, fingerprint "

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL
-from pulsectl.cli._options import Force, NewCheckpoint, OldCheckpoint, Workers
+from pulsectl.cli._options import Force, Fsync, NewCheckpoint, OldCheckpoint, Workers
 from pulsectl.cli._output import Output, binary_stdout
 from pulsectl.errors import UsageError
 
@@ -30,6 +30,7 @@ def diff(
         ),
     ] = None,
     force: Force = False,
+    fsync: Fsync = False,
     level: Annotated[
         str,
         typer.Option(
@@ -67,7 +68,7 @@ def diff(
         # Cast both to temporaries beside the output (or in $TMPDIR), diff those, remove them.
         near = None if output is None or output == "-" else output
         with cast_temporaries([old, new], to=as_dtype, near=near) as (old, new):
-            return diff(ctx, old, new, output, force, level, workers, None)
+            return diff(ctx, old, new, output, force, fsync, level, workers, None)
     with out.progress("diff") as progress:
         if output is None or output == "-":
             summary = diff_checkpoints(
@@ -75,7 +76,13 @@ def diff(
             )
         else:
             summary = diff_to_path(
-                old, new, Path(output), force=force, options=options, progress=progress
+                old,
+                new,
+                Path(output),
+                force=force,
+                options=options,
+                progress=progress,
+                durable=fsync,
             )
     density = summary.changed_words / summary.total_words if summary.total_words else 0.0
     ratio = summary.target_bytes / summary.patch_bytes if summary.patch_bytes else 0.0
