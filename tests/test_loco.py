@@ -1,0 +1,401 @@
+"""PULSELoCo (pulsectl.loco): encode, reduce and step against independent torch references."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pulsectl import loco
+from pulsectl.apply import apply_patches
+from pulsectl.checkpoint import save_safetensors
+from pulsectl.cli.app import main
+from pulsectl.errors import CorruptPatchError, InputError, OutputError, UsageError
+from pulsectl.info import read_patch_info
+
+torch = pytest.importorskip("torch")
+
+TEMP_GLOB = ".*.pulsectl-tmp-*"
+TORCH_VISIBLE = {"bf16": torch.bfloat16, "f16": torch.float16, "f8_e4m3": torch.float8_e4m3fn}
+
+
+def _model(seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """FP32 weights with awkward values mixed in: zeros of both signs, subnormals, big ones."""
+    rng = np.random.default_rng(seed)
+    w = {
+        "layer.0.weight": (rng.standard_normal((48, 40)) * scale).astype(np.float32),
+        "layer.0.bias": np.zeros(40, np.float32),
+        "norm.weight": np.ones(40, np.float32),
+        "empty": np.zeros((0, 7), np.float32),
+        "big": (rng.standard_normal(300) * 400).astype(np.float32),
+    }
+    flat = w["layer.0.weight"].reshape(-1)
+    flat[:6] = np.array([0.0, -0.0, 1e-40, -1e-41, 3e38, -448.0], np.float32)
+    return w
+
+
+def _step(w: dict[str, np.ndarray], seed: int, size: float) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (v + rng.standard_normal(v.shape) * size).astype(np.float32) for k, v in w.items()}
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).reshape(-1).view(np.uint32)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(-1).copy())
+
+
+def _tbits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int32).numpy().view(np.uint32)
+
+
+def _save(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    save_safetensors(path, {k: ("F32", v.shape, v) for k, v in tensors.items()})
+    return path
+
+
+def _torch_encode(g: np.ndarray, lo: np.ndarray, r: np.ndarray, visible: str):
+    """The reference: torch elementwise ops (each one IEEE-rounded) and torch's own casts."""
+    tg, tl, tr = _t(g), _t(lo), _t(r)
+    s = tr + (tg - tl)
+    w = tg - s
+    dt = TORCH_VISIBLE[visible]
+    size = torch.tensor([], dtype=dt).element_size()
+    view = {1: torch.uint8, 2: torch.int16}[size]
+    mask = (tg.to(dt).view(view) != w.to(dt).view(view)).numpy()
+    residual = s.clone()
+    residual[torch.from_numpy(mask)] = 0.0
+    return np.flatnonzero(mask), _tbits(s)[mask], _tbits(residual)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+@pytest.mark.parametrize("visible", list(loco.VISIBLE))
+def test_encode_matches_torch_reference(visible: str) -> None:
+    g = _model(0)
+    lo = _step(g, 1, 2e-3)
+    r = _step({k: np.zeros_like(v) for k, v in g.items()}, 2, 1e-4)
+    update, residual = loco.encode(g, lo, r, visible=visible)
+    assert update.visible == visible and update.kind == loco.KIND_PSEUDO_GRADIENT
+    for name in g:
+        pos, vals, res = _torch_encode(g[name], lo[name], r[name], visible)
+        np.testing.assert_array_equal(update.positions[name], pos)
+        np.testing.assert_array_equal(_bits(update.values[name]), vals)
+        np.testing.assert_array_equal(_bits(residual[name]), res)
+        assert residual[name].shape == g[name].shape
+
+
+def test_encode_is_sparse_for_small_moves_and_sends_every_crossing() -> None:
+    g = _model(3)
+    lo = _step(g, 4, 1e-6)
+    update, _ = loco.encode(g, lo)
+    assert 0 < update.density < 0.2
+    none, _ = loco.encode(g, g)
+    assert none.sent == 0
+
+
+@pytest.mark.parametrize("missing", [True, False])
+def test_error_feedback_invariant_bitwise(missing: bool) -> None:
+    g, lo = _model(5), _step(_model(5), 6, 5e-4)
+    r = None if missing else _step({k: np.zeros_like(v) for k, v in g.items()}, 7, 3e-4)
+    update, residual = loco.encode(g, lo, r)
+    sent = update.dense()
+    for name in g:
+        rr = np.zeros_like(g[name]) if r is None else r[name]
+        s = np.add(rr, np.subtract(g[name], lo[name]))  # R + (G - L) in FP32
+        mask = np.zeros(s.size, bool)
+        mask[update.positions[name]] = True
+        # Each element is either sent or kept: together they are s, bit for bit.
+        together = np.where(mask, _bits(sent[name]), _bits(residual[name]))
+        np.testing.assert_array_equal(together, _bits(s))
+        assert not _bits(residual[name])[mask].any()  # sent entries are +0.0 in R
+        assert not _bits(sent[name])[~mask].any()
+        np.testing.assert_array_equal(sent[name] + residual[name], s)
+
+
+def test_error_feedback_accumulates_until_visible() -> None:
+    # A move far below the BF16 step is held back, and sent once the residual has grown.
+    g = {"w": np.full(1000, 1.0, np.float32)}
+    lo = {"w": np.full(1000, 1.0 - 2.0**-12, np.float32)}  # a sixteenth of the BF16 step at 1.0
+    r = None
+    sent_at = None
+    for k in range(1, 40):
+        update, r = loco.encode(g, lo, r)
+        if update.sent:
+            sent_at = k
+            break
+    assert sent_at is not None and 3 <= sent_at <= 16
+    assert update.sent == 1000
+    np.testing.assert_array_equal(update.values["w"], np.float32(sent_at * 2.0**-12))
+
+
+# ---------------------------------------------------------------------------------------------
+# reduce and step
+
+
+def test_reduce_matches_dense_torch_average() -> None:
+    g = _model(8)
+    updates = [loco.encode(g, _step(g, 10 + k, 1e-3))[0] for k in range(3)]
+    avg = loco.reduce(updates)
+    assert avg.kind == loco.KIND_AVERAGE and avg.trainers == 3
+    dense = avg.dense()
+    for name in g:
+        acc = torch.zeros(g[name].size)
+        for u in updates:
+            acc = acc + _t(u.dense()[name])
+        want = acc / 3.0
+        np.testing.assert_array_equal(_bits(dense[name]), _tbits(want))
+
+
+def test_reduce_rejects_other_models_and_averages() -> None:
+    g = _model(8)
+    u = loco.encode(g, _step(g, 1, 1e-3))[0]
+    other = dict(g)
+    other["extra"] = np.ones(3, np.float32)
+    v = loco.encode(other, other)[0]
+    with pytest.raises(UsageError, match="'extra' is extra"):
+        loco.reduce([u, v])
+    with pytest.raises(UsageError, match="not a pseudo-gradient"):
+        loco.reduce([loco.reduce([u])])
+    with pytest.raises(UsageError):
+        loco.reduce([])
+
+
+@pytest.mark.parametrize("with_momentum", [False, True])
+def test_outer_step_matches_torch_ops_bitwise(with_momentum: bool) -> None:
+    g = _model(11)
+    u = {
+        k: v.astype(np.float32)
+        for k, v in _step({k: v * 0 for k, v in g.items()}, 12, 1e-3).items()
+    }
+    m = _step({k: v * 0 for k, v in g.items()}, 13, 1e-3) if with_momentum else None
+    new_g, new_m = loco.outer_step(g, u, m, lr=0.7, beta=0.9)
+    assert new_m is not None
+    lr, beta = torch.tensor(0.7, dtype=torch.float32), torch.tensor(0.9, dtype=torch.float32)
+    for name in g:
+        tu = _t(u[name])
+        tm = tu.clone() if m is None else beta * _t(m[name]) + tu
+        d = tu + beta * tm
+        want = _t(g[name]) - lr * d
+        np.testing.assert_array_equal(_bits(new_g[name]), _tbits(want))
+        np.testing.assert_array_equal(_bits(new_m[name]), _tbits(tm))
+
+
+def test_outer_step_agrees_with_torch_sgd_nesterov() -> None:
+    g = _model(14)
+    del g["big"]
+    m = None
+    params = {k: torch.nn.Parameter(_t(v)) for k, v in g.items()}
+    opt = torch.optim.SGD(params.values(), lr=0.7, momentum=0.9, nesterov=True)
+    for k in range(3):
+        u = _step({n: v * 0 for n, v in g.items()}, 20 + k, 1e-3)
+        g, m = loco.outer_step(g, u, m)
+        for name, p in params.items():
+            p.grad = _t(u[name])
+        opt.step()
+    for name, p in params.items():
+        np.testing.assert_allclose(g[name].reshape(-1), p.detach().numpy(), rtol=1e-6, atol=1e-9)
+
+
+def test_plain_step_is_global_minus_update() -> None:
+    g = _model(15)
+    u = loco.encode(g, _step(g, 16, 1e-3))[0]
+    new_g, new_m = loco.outer_step(g, u, plain=True)
+    assert new_m is None
+    dense = u.dense()
+    for name in g:
+        np.testing.assert_array_equal(_bits(new_g[name]), _tbits(_t(g[name]) - _t(dense[name])))
+
+
+# ---------------------------------------------------------------------------------------------
+# the patch
+
+
+def test_patch_roundtrip_multiblock_and_deterministic() -> None:
+    g = _model(17)
+    update = loco.encode(g, _step(g, 18, 1e-3))[0]
+    buf = io.BytesIO()
+    loco.write_update(update, buf, block_bytes=4096)  # several blocks per tensor
+    back = loco.loads(buf.getvalue())
+    assert back.shapes == update.shapes and back.visible == "bf16" and back.trainers == 1
+    for name in update.shapes:
+        np.testing.assert_array_equal(back.positions[name], update.positions[name])
+        np.testing.assert_array_equal(_bits(back.values[name]), _bits(update.values[name]))
+    # Same update, same bytes, whatever the order of the tensors.
+    shuffled = loco.SparseUpdate(
+        dict(reversed(update.shapes.items())), update.positions, update.values
+    )
+    assert loco.dumps(shuffled) == loco.dumps(update)
+
+
+def test_patch_is_an_ordinary_pulse_patch_from_zeros(tmp_path: Path) -> None:
+    g = _model(19)
+    update = loco.encode(g, _step(g, 20, 1e-3))[0]
+    patch = tmp_path / "pg.pulse"
+    patch.write_bytes(loco.dumps(update))
+    info = read_patch_info(patch, check=True)
+    assert info.changed_words == update.sent
+    assert info.total_words == update.total
+    zeros = _save(tmp_path / "zeros.safetensors", {k: np.zeros_like(v) for k, v in g.items()})
+    out = tmp_path / "dense.safetensors"
+    apply_patches(zeros, [patch], out, workers=1)
+    dense = _save(tmp_path / "want.safetensors", update.dense())
+    assert out.read_bytes() == dense.read_bytes()
+
+
+def test_read_rejects_a_plain_patch_and_damage(tmp_path: Path) -> None:
+    from pulsectl.diff import diff_checkpoints
+
+    g = _model(21)
+    a = _save(tmp_path / "a.safetensors", g)
+    b = _save(tmp_path / "b.safetensors", _step(g, 22, 1e-3))
+    buf = io.BytesIO()
+    diff_checkpoints(a, b, buf)
+    with pytest.raises(InputError, match="not a PULSELoCo patch"):
+        loco.loads(buf.getvalue())
+    data = bytearray(loco.dumps(loco.encode(g, _step(g, 23, 1e-3))[0]))
+    data[len(data) // 2] ^= 0x40
+    with pytest.raises(CorruptPatchError, match="checksum mismatch"):
+        loco.loads(bytes(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# files: atomic updates
+
+
+@pytest.fixture
+def trainer(tmp_path: Path) -> tuple[Path, Path, Path]:
+    g = _model(30)
+    return (
+        _save(tmp_path / "g.safetensors", g),
+        _save(tmp_path / "l.safetensors", _step(g, 31, 1e-3)),
+        tmp_path / "r.safetensors",
+    )
+
+
+def test_encode_files_creates_then_updates_residual(trainer: tuple[Path, Path, Path]) -> None:
+    g, lo, r = trainer
+    first = loco.encode_files(g, lo, r, g.parent / "pg1.pulse")
+    assert first.residual_created and r.exists()
+    second = loco.encode_files(g, lo, r, g.parent / "pg2.pulse")
+    assert not second.residual_created
+    want_u, want_r = loco.encode(
+        loco.load_tensors(g)[0],
+        loco.load_tensors(lo)[0],
+        loco.encode(loco.load_tensors(g)[0], loco.load_tensors(lo)[0])[1],
+    )
+    got = loco.read_update(g.parent / "pg2.pulse")
+    assert loco.dumps(got) == loco.dumps(want_u)
+    for name, arr in loco.load_tensors(r)[0].items():
+        np.testing.assert_array_equal(_bits(arr), _bits(want_r[name]))
+
+
+def test_failed_encode_leaves_the_old_residual(
+    trainer: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g, lo, r = trainer
+    loco.encode_files(g, lo, r, g.parent / "pg1.pulse")
+    before = r.read_bytes()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OutputError("disk full (simulated)")
+
+    monkeypatch.setattr(loco, "save_safetensors", broken)
+    with pytest.raises(OutputError, match="simulated"):
+        loco.encode_files(g, lo, r, g.parent / "pg2.pulse")
+    assert r.read_bytes() == before
+    assert not (g.parent / "pg2.pulse").exists()
+    assert not list(g.parent.glob(TEMP_GLOB))
+    monkeypatch.undo()
+    # An existing output without force: refused before anything is touched.
+    with pytest.raises(OutputError, match="exists"):
+        loco.encode_files(g, lo, r, g.parent / "pg1.pulse")
+    assert r.read_bytes() == before
+
+
+def test_step_files_requires_momentum_or_plain(trainer: tuple[Path, Path, Path]) -> None:
+    g, lo, r = trainer
+    pg = g.parent / "pg.pulse"
+    loco.encode_files(g, lo, r, pg)
+    with pytest.raises(UsageError, match="--momentum"):
+        loco.step_files(g, pg, g.parent / "g2.safetensors")
+    with pytest.raises(UsageError, match="--plain"):
+        loco.step_files(g, pg, g.parent / "g2.safetensors", momentum_path=r, plain=True)
+
+
+def test_non_f32_input_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    save_safetensors(bad, {"w": ("BF16", [2], np.zeros(2, np.uint16))})
+    with pytest.raises(InputError, match="tensor 'w' is BF16"):
+        loco.load_tensors(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_encode_reduce_step_matches_library(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    g = _model(40)
+    gp = _save(tmp_path / "g.safetensors", g)
+    locals_ = [_step(g, 41 + k, 1e-3) for k in range(3)]
+    pgs = []
+    for k, lo in enumerate(locals_):
+        lp = _save(tmp_path / f"l{k}.safetensors", lo)
+        pg = tmp_path / f"pg{k}.pulse"
+        args = ["-q", "loco", "encode", "--global", str(gp), "--local", str(lp)]
+        assert main([*args, "--residual", str(tmp_path / f"r{k}.safetensors"), "-o", str(pg)]) == 0
+        pgs.append(pg)
+    avg = tmp_path / "avg.pulse"
+    assert main(["loco", "reduce", *map(str, pgs), "-o", str(avg), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["trainers"] == 3
+    dense = tmp_path / "avg.safetensors"
+    assert main(["-q", "loco", "reduce", *map(str, pgs), "-o", str(dense), "--dense"]) == 0
+    want_avg = loco.reduce([loco.encode(g, lo)[0] for lo in locals_])
+    for name, arr in loco.load_tensors(dense)[0].items():
+        np.testing.assert_array_equal(_bits(arr), _bits(want_avg.dense()[name]))
+
+    g2, g2_dense, mom = tmp_path / "g2.safetensors", tmp_path / "g2d.safetensors", tmp_path / "m"
+    mom = tmp_path / "m.safetensors"
+    step = ["-q", "loco", "step", "--global", str(gp)]
+    assert main([*step, "--update", str(avg), "--momentum", str(mom), "-o", str(g2)]) == 0
+    assert mom.exists()
+    mom2 = tmp_path / "m2.safetensors"
+    assert main([*step, "-u", str(dense), "-m", str(mom2), "-o", str(g2_dense)]) == 0
+    assert g2.read_bytes() == g2_dense.read_bytes()  # sparse or dense update: same result
+    want_g, _ = loco.outer_step(g, want_avg)
+    for name, arr in loco.load_tensors(g2)[0].items():
+        np.testing.assert_array_equal(_bits(arr), _bits(want_g[name]))
+    plain = tmp_path / "plain.safetensors"
+    assert main([*step, "-u", str(avg), "--plain", "-o", str(plain)]) == 0
+    assert main(["inspect", str(avg), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["changed_words"] == want_avg.sent
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    g = _model(50)
+    gp = _save(tmp_path / "g.safetensors", g)
+    lp = _save(tmp_path / "l.safetensors", {k: v for k, v in g.items() if k != "big"})
+    r = tmp_path / "r.safetensors"
+    args = ["loco", "encode", "-g", str(gp), "-l", str(lp), "-r", str(r), "-o", str(tmp_path / "p")]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "pulsectl: error: local does not match global: tensor 'big' is missing; "
+        "both must hold the same tensors with the same shapes"
+    )
+    assert not r.exists()
+    assert main([*args[:-2], "-o", str(tmp_path / "p"), "--visible", "f7"]) == 2
+    assert "unknown --visible 'f7'" in capsys.readouterr().err
+    assert main(["loco", "reduce", str(gp), "-o", str(tmp_path / "avg")]) == 1
+    assert "not a .pulse patch" in capsys.readouterr().err
