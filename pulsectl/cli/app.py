@@ -18,6 +18,10 @@ from pulsectl.cli import diff as diff_cmd
 from pulsectl.cli import hash as hash_cmd
 from pulsectl.cli import inspect as inspect_cmd
 from pulsectl.cli import loco as loco_cmd
+from pulsectl.cli import log as log_cmd
+from pulsectl.cli import prune as prune_cmd
+from pulsectl.cli import publish as publish_cmd
+from pulsectl.cli import pull as pull_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import Output
@@ -68,6 +72,10 @@ app.command("inspect")(inspect_cmd.inspect)
 app.command("demo")(demo_cmd.demo)
 app.command("cast")(cast_cmd.cast)
 app.command("stats")(stats_cmd.stats)
+app.command("publish")(publish_cmd.publish)
+app.command("pull")(pull_cmd.pull)
+app.command("log")(log_cmd.log)
+app.command("prune")(prune_cmd.prune)
 app.add_typer(loco_cmd.app, name="loco")
 
 

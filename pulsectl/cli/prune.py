@@ -1,0 +1,40 @@
+"""`pulsectl prune STORE --keep-anchors A --keep-steps S [--dry-run]`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pulsectl.cli._output import Output
+from pulsectl.cli._store_options import StoreUrl
+from pulsectl.store.prune import prune as prune_store
+
+
+def prune(
+    ctx: typer.Context,
+    store: StoreUrl,
+    keep_anchors: Annotated[
+        int, typer.Option("--keep-anchors", min=0, help="Keep the last A anchors.")
+    ],
+    keep_steps: Annotated[
+        int,
+        typer.Option(
+            "--keep-steps", min=0, help="Keep the last S steps, with everything they need."
+        ),
+    ],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", "-n", help="List what would be deleted; delete nothing.")
+    ] = False,
+) -> None:
+    """Delete old steps of STORE; every kept step stays pullable. Deleted keys go to stdout."""
+    out: Output = ctx.obj
+    plan = prune_store(store, keep_anchors=keep_anchors, keep_steps=keep_steps, dry_run=dry_run)
+    for key, _size in plan.deletions:
+        out.data(key)
+    verb = "would delete" if dry_run else "deleted"
+    out.info(
+        f"{verb} {len(plan.deleted_steps)} step(s), {len(plan.deletions)} object(s), "
+        f"{plan.deleted_bytes:,} bytes; kept {len(plan.kept_steps)} step(s)"
+        + (f" ({plan.kept_steps[0]}..{plan.kept_steps[-1]})" if plan.kept_steps else "")
+    )

@@ -1,0 +1,84 @@
+"""`pulsectl publish STORE CKPT [--step N] [--anchor-every K] [--as bf16]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pulsectl._io import default_workers
+from pulsectl.cli._options import Checkpoint, Workers
+from pulsectl.cli._output import Output
+from pulsectl.cli._store_options import StoreUrl
+from pulsectl.cli.diff import parse_level
+from pulsectl.diff import DEFAULT_LEVEL
+from pulsectl.store.publish import (
+    CACHE_ENV,
+    DEFAULT_ANCHOR_EVERY,
+    DEFAULT_MAX_PATCH_FRACTION,
+    PublishOptions,
+)
+from pulsectl.store.publish import (
+    publish as publish_step,
+)
+
+
+def publish(
+    ctx: typer.Context,
+    store: StoreUrl,
+    checkpoint: Checkpoint,
+    step: Annotated[
+        int | None,
+        typer.Option("--step", "-s", min=0, help="Step number (default: the last published + 1)."),
+    ] = None,
+    anchor_every: Annotated[
+        int,
+        typer.Option(
+            "--anchor-every",
+            "-k",
+            min=0,
+            help="A full anchor at every multiple of K, and whenever the chain since the last "
+            "anchor would pass K patches (0: only when needed).",
+        ),
+    ] = DEFAULT_ANCHOR_EVERY,
+    max_patch_fraction: Annotated[
+        float,
+        typer.Option(
+            "--max-patch-fraction",
+            help="Publish an anchor instead of a patch over this fraction of the checkpoint.",
+        ),
+    ] = DEFAULT_MAX_PATCH_FRACTION,
+    anchor: Annotated[
+        bool, typer.Option("--anchor", help="Publish a full anchor at this step.")
+    ] = False,
+    as_dtype: Annotated[
+        str | None,
+        typer.Option("--as", help="Publish the cast (bf16, f16, f8_e4m3, f8_e5m2) of CKPT."),
+    ] = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache",
+            help=f"Folder for the local copy of the last published step (default: ${CACHE_ENV} "
+            "or ~/.cache/pulsectl/publish/<store>).",
+        ),
+    ] = None,
+    level: Annotated[
+        str, typer.Option("--level", "-l", help="Patch level, as in `pulsectl diff`.")
+    ] = str(DEFAULT_LEVEL),
+    workers: Workers = None,
+) -> None:
+    """Add CKPT to STORE as the next step: a patch against the last step, or a full anchor."""
+    out: Output = ctx.obj
+    options = PublishOptions(
+        anchor_every=anchor_every,
+        max_patch_fraction=max_patch_fraction,
+        cast=as_dtype,
+        anchor=anchor,
+        cache_dir=cache,
+        diff=parse_level(level, workers or default_workers()),
+    )
+    summary = publish_step(store, checkpoint, step=step, options=options, log=out.info)
+    m = summary.manifest
+    out.data(f"{m.step} {m.kind} {m.target_fingerprint}")

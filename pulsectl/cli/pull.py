@@ -1,0 +1,61 @@
+"""`pulsectl pull STORE -o CKPT [--step N|latest]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pulsectl.cli._options import Force, Workers
+from pulsectl.cli._output import Output
+from pulsectl.cli._store_options import StoreUrl
+from pulsectl.errors import UsageError
+from pulsectl.store.pull import DEFAULT_PREFETCH
+from pulsectl.store.pull import pull as pull_step
+
+
+def pull(
+    ctx: typer.Context,
+    store: StoreUrl,
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="The checkpoint to write; when it already holds a step of STORE, the rebuild "
+            "starts from it.",
+        ),
+    ],
+    step: Annotated[str, typer.Option("--step", "-s", help="Step number, or 'latest'.")] = "latest",
+    force: Force = False,
+    prefetch: Annotated[
+        int, typer.Option("--prefetch", min=1, help="Objects fetched ahead of the one applying.")
+    ] = DEFAULT_PREFETCH,
+    workers: Workers = None,
+) -> None:
+    """Rebuild a step of STORE at CKPT: from CKPT or an anchor, verified, atomically."""
+    out: Output = ctx.obj
+    number = parse_step(step)
+    summary = pull_step(
+        store, output, step=number, force=force, workers=workers, prefetch=prefetch, log=out.info
+    )
+    if summary.patches or summary.fetched_bytes:
+        out.info(
+            f"wrote {summary.output} (step {summary.step}, fingerprint {summary.fingerprint}) "
+            f"from the {summary.start} and {summary.patches} patch(es), "
+            f"{summary.fetched_bytes:,} bytes fetched, verified"
+        )
+    out.data(f"{summary.step} {summary.fingerprint}")
+
+
+def parse_step(text: str) -> int | None:
+    if text.strip().lower() == "latest":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UsageError(f"--step {text!r}: give a step number or 'latest'")
+    return value

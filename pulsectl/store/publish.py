@@ -1,0 +1,333 @@
+"""publish: diff a checkpoint against the previously published step and add it to a store.
+
+The publisher keeps its own copy of the last published step in a local cache folder, so
+publishing never downloads anything: the patch is the diff of that copy against the new
+checkpoint. Objects go up first (anchor files, patch), the step manifest last: a reader that
+lists manifests never sees a half-published step. Nothing is ever rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pulsectl import __version__
+from pulsectl._atomic import atomic_file, install, os_error, remove
+from pulsectl.checkpoint import Checkpoint
+from pulsectl.diff import DiffOptions, diff_to_path
+from pulsectl.errors import InputError, UsageError
+from pulsectl.hashing import fingerprint_file
+from pulsectl.inventory import file_refs, fingerprint_of
+from pulsectl.store.base import Store, open_store
+from pulsectl.store.catalog import Catalog
+from pulsectl.store.layout import (
+    MARKER_KEY,
+    STORE_SCHEMA,
+    PatchRef,
+    StepManifest,
+    StoredFile,
+    anchor_key,
+    canonical_json,
+    manifest_key,
+    patch_key,
+)
+
+Log = Callable[[str], None]
+
+DEFAULT_ANCHOR_EVERY = 10
+DEFAULT_MAX_PATCH_FRACTION = 0.5
+CACHE_ENV = "PULSECTL_CACHE_DIR"
+HEAD_STATE = "head.json"
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    anchor_every: int = DEFAULT_ANCHOR_EVERY  # 0: anchors only when forced or patches get big
+    max_patch_fraction: float = DEFAULT_MAX_PATCH_FRACTION
+    cast: str | None = None  # "bf16": publish the cast (pulsectl.cast), as `diff --as` does
+    anchor: bool = False  # force a full anchor at this step
+    cache_dir: Path | None = None  # default: default_cache_dir(store)
+    diff: DiffOptions = field(default_factory=DiffOptions)
+
+
+@dataclass(frozen=True)
+class PublishSummary:
+    manifest: StepManifest
+    reason: str  # why this step is an anchor, or "patch"
+    uploaded_bytes: int
+    cache_dir: Path
+
+
+def default_cache_dir(store: Store) -> Path:
+    """$PULSECTL_CACHE_DIR, else $XDG_CACHE_HOME/pulsectl, else ~/.cache/pulsectl; one folder
+    per store under ``publish/``, named from the store's URL (absolute path for a folder)."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        base = Path(root)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = (Path(xdg) if xdg else Path.home() / ".cache") / "pulsectl"
+    return base / "publish" / hashlib.sha256(store.ident.encode()).hexdigest()[:16]
+
+
+def publish(
+    store: Store | str | Path,
+    checkpoint: str | Path,
+    *,
+    step: int | None = None,
+    options: PublishOptions | None = None,
+    log: Log | None = None,
+) -> PublishSummary:
+    """Publish ``checkpoint`` as ``step`` (default: the last published step + 1, or 0)."""
+    options = options or PublishOptions()
+    say = log or (lambda _msg: None)
+    store = store if isinstance(store, Store) else open_store(store)
+    if options.anchor_every < 0:
+        raise UsageError(f"--anchor-every {options.anchor_every}: give 0 or more")
+    if not 0 < options.max_patch_fraction <= 1:
+        raise UsageError(
+            f"--max-patch-fraction {options.max_patch_fraction}: give a value in (0, 1]"
+        )
+    if options.cast is not None:
+        from pulsectl.cast import target_dtype
+
+        target_dtype(options.cast)
+    if isinstance(store, _folder_type()):
+        Path(store.url).mkdir(parents=True, exist_ok=True)
+
+    source = Checkpoint.open(checkpoint)
+    catalog = Catalog(store)
+    last = catalog.latest()
+    if catalog.steps and last is None:
+        raise InputError(
+            f"{store.url}: no step manifest in the store reads ({len(catalog.steps)} damaged); "
+            "repair or remove them before publishing"
+        )
+    if catalog.latest_step is not None and (last is None or last.step != catalog.latest_step):
+        raise InputError(
+            f"{store.where(manifest_key(catalog.latest_step))}: the last step's manifest is "
+            f"damaged ({catalog.damaged.get(catalog.latest_step)}); remove it before publishing"
+        )
+    if step is None:
+        step = 0 if last is None else last.step + 1
+    if step < 0:
+        raise UsageError(f"--step {step}: give 0 or more")
+    if last is not None:
+        if step <= last.step:
+            raise UsageError(
+                f"--step {step}: the store's last step is {last.step}; steps are immutable, "
+                f"publish a later step (default {last.step + 1})"
+            )
+        if last.layout != source.layout:
+            raise UsageError(
+                f"{checkpoint} is a {_word(source.layout)}, but {store.url} holds "
+                f"{_word(last.layout)}s"
+            )
+        if last.cast != options.cast:
+            want = f"--as {last.cast}" if last.cast else "no --as"
+            raise UsageError(
+                f"{store.url} holds {last.cast or 'uncast'} checkpoints; publish with {want}"
+            )
+
+    cache = options.cache_dir or default_cache_dir(store)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".work-", dir=cache))
+    except OSError as exc:
+        raise os_error(exc, cache) from exc
+    try:
+        target = Path(checkpoint)
+        if options.cast is not None:
+            from pulsectl.cast import cast_checkpoint
+
+            target = work / ("cast.safetensors" if source.layout == "file" else "cast")
+            cast_checkpoint(checkpoint, target, to=options.cast)
+        manifest, reason, uploaded = _publish_step(
+            store, catalog, last, step, target, work, cache, options, say
+        )
+        _update_head(cache, store, manifest, target, work)
+    finally:
+        remove(work)
+    return PublishSummary(manifest, reason, uploaded, cache)
+
+
+def _publish_step(
+    store: Store,
+    catalog: Catalog,
+    last: StepManifest | None,
+    step: int,
+    target: Path,
+    work: Path,
+    cache: Path,
+    options: PublishOptions,
+    say: Log,
+) -> tuple[StepManifest, str, int]:
+    layout = Checkpoint.open(target).layout
+    head = _load_head(cache, store)
+    k = options.anchor_every
+
+    anchor_reason: str | None = None
+    if last is None:
+        anchor_reason = "the first step of the store"
+    elif options.anchor:
+        anchor_reason = "an anchor was asked for"
+    elif head is None or head[0] != last.step or head[1] != last.target_fingerprint:
+        anchor_reason = (
+            f"the publish cache {cache} does not hold step {last.step} (publishing never "
+            "downloads), so this step is a full anchor"
+        )
+    elif k and step // k > last.anchor_step // k:
+        anchor_reason = f"--anchor-every {k}"
+    elif k and last.chain_length + 1 > k:
+        anchor_reason = f"the chain since anchor {last.anchor_step} would be longer than {k}"
+
+    patch: PatchRef | None = None
+    patch_file = work / "step.pulse"
+    target_fp: str | None = None
+    target_bytes = 0
+    if last is not None and head is not None and head[:2] == (last.step, last.target_fingerprint):
+        summary = diff_to_path(head[2], target, patch_file, force=True, options=options.diff)
+        fraction = summary.patch_bytes / summary.target_bytes if summary.target_bytes else 0.0
+        if summary.base_fingerprint != last.target_fingerprint:
+            anchor_reason = anchor_reason or (
+                f"the publish cache's copy of step {last.step} has fingerprint "
+                f"{summary.base_fingerprint}, not {last.target_fingerprint}"
+            )
+        elif fraction > options.max_patch_fraction:
+            anchor_reason = (
+                f"the patch ({summary.patch_bytes:,} bytes) is {fraction:.1%} of the checkpoint, "
+                f"over --max-patch-fraction {options.max_patch_fraction}"
+            )
+        else:
+            target_fp, target_bytes = summary.target_fingerprint, summary.target_bytes
+            patch = PatchRef(
+                StoredFile(
+                    patch_key(step, target_fp),
+                    "",
+                    summary.patch_bytes,
+                    fingerprint_file(patch_file),
+                ),
+                last.step,
+                last.target_fingerprint,
+                summary.changed_words,
+                summary.total_words,
+            )
+
+    anchor: tuple[StoredFile, ...] | None = None
+    if anchor_reason is not None:
+        ckpt = Checkpoint.open(target)
+        refs = file_refs(ckpt)
+        target_fp = fingerprint_of(ckpt, refs)
+        target_bytes = sum(r.size for r in refs)
+        anchor = tuple(
+            StoredFile(anchor_key(step, target_fp, layout, r.path), r.path, r.size, r.fingerprint)
+            for r in refs
+        )
+    assert target_fp is not None
+    if patch is not None and patch.key != patch_key(step, target_fp):
+        raise AssertionError("patch target differs from anchor target")
+
+    manifest = StepManifest(
+        step=step,
+        layout=layout,
+        target_fingerprint=target_fp,
+        target_bytes=target_bytes,
+        anchor=anchor,
+        patch=patch,
+        anchor_step=step if anchor is not None else (last.anchor_step if last else step),
+        chain_length=0 if anchor is not None else (last.chain_length + 1 if last else 0),
+        cast=options.cast,
+        writer=f"pulsectl {__version__}",
+        published=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+    uploaded = 0
+    if not catalog.steps and not store.exists(MARKER_KEY):
+        store.write(
+            MARKER_KEY, canonical_json({"format": "pulsectl-store", "schema": STORE_SCHEMA})
+        )
+    if anchor is not None:
+        entries = {e.relpath: e.path for e in Checkpoint.open(target).files}
+        for f in anchor:
+            store.upload(entries[f.path], f.key)
+            uploaded += f.size
+    if patch is not None:
+        store.upload(patch_file, patch.key)
+        uploaded += patch.size
+    data = manifest.to_bytes()
+    store.write(manifest_key(step), data)  # last: the step exists from here on
+    say(
+        f"published step {step} to {store.url}: "
+        + (
+            f"anchor ({anchor_reason})"
+            if anchor is not None
+            else f"patch {patch.size:,} bytes"
+            if patch
+            else ""
+        )
+        + (
+            f" and patch from step {patch.base_step}"
+            if anchor is not None and patch is not None
+            else ""
+        )
+    )
+    return manifest, anchor_reason or "patch", uploaded + len(data)
+
+
+def _load_head(cache: Path, store: Store) -> tuple[int, str, Path] | None:
+    """(step, fingerprint, path) of the cached copy of the last published step, if any."""
+    try:
+        state = json.loads((cache / HEAD_STATE).read_text())
+        path = cache / state["path"]
+        if state["store"] != store.ident or not path.exists():
+            return None
+        return int(state["step"]), str(state["fingerprint"]), path
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _update_head(
+    cache: Path, store: Store, manifest: StepManifest, target: Path, work: Path
+) -> None:
+    """Keep a copy of what was just published: the base of the next patch."""
+    name = "head.safetensors" if manifest.layout == "file" else "head"
+    fresh = work / ("head-new" + (".safetensors" if manifest.layout == "file" else ""))
+    try:
+        if target.is_relative_to(work):
+            os.replace(target, fresh)
+        elif target.is_dir():
+            shutil.copytree(target, fresh, symlinks=False)
+        else:
+            shutil.copyfile(target, fresh)
+        (cache / HEAD_STATE).unlink(missing_ok=True)  # no state names a half-replaced copy
+        for stale in ("head.safetensors", "head"):
+            if stale != name:
+                remove(cache / stale)
+        install(fresh, cache / name)
+        state = {
+            "store": store.ident,
+            "step": manifest.step,
+            "fingerprint": manifest.target_fingerprint,
+            "path": name,
+        }
+        with atomic_file(cache / HEAD_STATE, force=True) as f:
+            f.write(canonical_json(state))
+    except OSError as exc:
+        raise os_error(exc, cache / name) from exc
+
+
+def _word(layout: str) -> str:
+    return "single file" if layout == "file" else "checkpoint folder"
+
+
+def _folder_type() -> type:
+    from pulsectl.store.folder import FolderStore
+
+    return FolderStore

@@ -1,0 +1,145 @@
+"""A store under an ``s3://bucket/prefix`` URL, through boto3 (``pip install 'pulsectl[s3]'``).
+
+boto3 reads the usual AWS settings: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE,
+AWS_DEFAULT_REGION, and AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) for S3-compatible servers.
+A PUT appears whole or not at all; big objects go up and down in parallel multipart transfers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pulsectl._atomic import remove
+from pulsectl.errors import InputError, UsageError
+from pulsectl.store.base import MissingObjectError, Store
+
+MULTIPART_THRESHOLD = 64 * 1024 * 1024
+MULTIPART_CHUNK = 64 * 1024 * 1024
+MAX_CONCURRENCY = 8
+DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ImportError:
+        raise UsageError(
+            "s3:// stores need boto3, which is not installed: pip install 'pulsectl[s3]' "
+            "(or pipe patches through `aws s3 cp - s3://...`)"
+        ) from None
+    return boto3
+
+
+class S3Store(Store):
+    def __init__(self, url: str, *, transfer_config: Any = None) -> None:
+        rest = url[len("s3://") :]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise UsageError(f"{url}: no bucket; give s3://BUCKET/PREFIX")
+        self.url = url.rstrip("/")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        boto3 = _boto3()
+        from boto3.s3.transfer import TransferConfig
+
+        self.client = boto3.client("s3")
+        self.transfer = transfer_config or TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD,
+            multipart_chunksize=MULTIPART_CHUNK,
+            max_concurrency=MAX_CONCURRENCY,
+        )
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """Turn botocore's exceptions into one pulsectl line naming the object."""
+        from botocore import exceptions as bx
+
+        where = self.where(key)
+        try:
+            yield
+        except bx.ClientError as exc:
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise MissingObjectError(f"{where}: not in the store", path=where) from None
+            if code == "NoSuchBucket":
+                raise InputError(
+                    f"{where}: bucket {self.bucket!r} does not exist (create it, or check "
+                    "AWS_ENDPOINT_URL)",
+                    path=where,
+                ) from None
+            raise InputError(
+                f"{where}: S3 error {code}: {err.get('Message', exc)}", path=where
+            ) from None
+        except bx.NoCredentialsError:
+            raise InputError(
+                f"{where}: no AWS credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or AWS_PROFILE)",
+                path=where,
+            ) from None
+        except bx.EndpointConnectionError as exc:
+            raise InputError(f"{where}: cannot reach S3 ({exc})", path=where) from None
+        except bx.BotoCoreError as exc:
+            raise InputError(f"{where}: {exc}", path=where) from None
+
+    def list(self, prefix: str) -> dict[str, int]:
+        found: dict[str, int] = {}
+        with self._errors(prefix):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix)
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(self.prefix) :]
+                    if not key.rsplit("/", 1)[-1].startswith("."):
+                        found[key] = int(obj["Size"])
+        return found
+
+    def read(self, key: str) -> bytes:
+        with self._errors(key):
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            return bytes(body.read())
+
+    def fetch(self, key: str, dest: Path) -> Path:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with self._errors(key):
+                self.client.download_file(
+                    self.bucket, self._key(key), str(dest), Config=self.transfer
+                )
+        except BaseException:
+            remove(dest)
+            raise
+        return dest
+
+    def write(self, key: str, data: bytes) -> None:
+        with self._errors(key):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def upload(self, source: Path, key: str) -> None:
+        with self._errors(key):
+            self.client.upload_file(str(source), self.bucket, self._key(key), Config=self.transfer)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        batch = [self._key(k) for k in keys]
+        for i in range(0, len(batch), DELETE_BATCH):
+            chunk = batch[i : i + DELETE_BATCH]
+            with self._errors(chunk[0][len(self.prefix) :]):
+                self.client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True},
+                )
+
+    def exists(self, key: str) -> bool:
+        try:
+            with self._errors(key):
+                self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except MissingObjectError:
+            return False
+        return True
