@@ -25,11 +25,10 @@ from pulsectl._atomic import check_target, install, os_error, remove, temp_path
 from pulsectl._io import default_workers, ordered_map
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block
-from pulsectl.diff import _Files
 from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, OutputError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
 from pulsectl.hashing import checkpoint_fingerprint, fingerprint_range, new_hasher
-from pulsectl.inventory import file_refs, fingerprint_of, scan_file
+from pulsectl.inventory import file_refs, fingerprint_of
 from pulsectl.patch import (
     FileRef,
     PatchHeader,
@@ -37,6 +36,7 @@ from pulsectl.patch import (
     header_from_json,
     trailer_from_json,
 )
+from pulsectl.sources import FileSource, scan
 
 Progress = Callable[[int, int], None]
 PatchSource = str | Path | BinaryIO
@@ -243,7 +243,7 @@ def _apply_one(
         return start
 
     total = header.target_bytes
-    with _Files(base) as base_fds:
+    with FileSource(base) as base_fds:
 
         def tasks() -> Iterator[Callable[[], np.ndarray]]:
             for index, item in enumerate(header.items):
@@ -357,7 +357,7 @@ def _decode_task(
     payload: bytes,
     word: int,
     size: int,
-    base_fds: _Files,
+    base_fds: FileSource,
     base_file: int | None,
     base_offset: int | None,
     patch_name: str,
@@ -420,7 +420,8 @@ def _wrong_base(
             continue
         entry = base.file(path)
         if entry is not None and entry.header is not None:
-            _, tensor_fps = scan_file(entry)
+            with FileSource(base) as source:
+                _, tensor_fps = scan(source, base.files.index(entry))
             for item in header.items:
                 if item.base_file == index and item.base_name is not None:
                     have = tensor_fps.get(item.base_name)

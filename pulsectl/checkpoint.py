@@ -38,6 +38,7 @@ HEADER_ALIGN = 8  # the official writer pads the header with spaces to a multipl
 METADATA_KEY = "__metadata__"
 SAFETENSORS_SUFFIX = ".safetensors"
 
+_MAX_ELEMENTS = 2**64  # sizes are u64 in safetensors; no real tensor comes near
 _LEN_PREFIX = struct.Struct("<Q")
 _O_BINARY: int = getattr(os, "O_BINARY", 0)  # Windows only
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
@@ -162,6 +163,11 @@ def _parse_entry(name: str, entry: object, data_start: int, path: str | Path) ->
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise fail(f"shape must be a list of non-negative integers, got {shape!r}")
+    numel = 1
+    for d in shape:  # stop early: the product of a hostile shape could have millions of digits
+        numel *= d
+        if numel > _MAX_ELEMENTS:
+            raise fail(f"shape has more than 2**64 elements (len {len(shape)})")
     offsets = entry["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -239,6 +245,8 @@ def parse_header(raw: bytes, file_size: int, path: str | Path = "<bytes>") -> Sa
         raise FormatError(
             f"{path}: header is not valid JSON: {e.msg} at byte {e.pos}", path=path
         ) from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise FormatError(f"{path}: header is not valid JSON: {e}", path=path) from None
     except RecursionError:
         raise FormatError(f"{path}: header JSON is nested too deeply", path=path) from None
     if not isinstance(doc, dict):
@@ -431,6 +439,32 @@ def _tensor_bytes(
     return dtype, dims, buf
 
 
+def build_header(
+    tensors: Mapping[str, tuple[str, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The header bytes ``save_safetensors`` writes for ``{name: (dtype, shape)}``.
+
+    Returns the JSON header (padded, without the length prefix) and the tensor names in data
+    order.
+    """
+    order = sorted(tensors, key=lambda n: (-_LAYOUT_RANK[tensors[n][0]], n))
+    doc: dict[str, Any] = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError("metadata must map strings to strings")
+        doc[METADATA_KEY] = dict(sorted(metadata.items()))
+    offset = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        dims = [int(d) for d in shape]
+        size = DTYPES[dtype].nbytes(math.prod(dims))
+        doc[name] = {"dtype": dtype, "shape": dims, "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    header += b" " * (-len(header) % HEADER_ALIGN)
+    return header, order
+
+
 def save_safetensors(
     path: str | Path,
     tensors: Mapping[str, tuple[str, Sequence[int], bytes | np.ndarray]],
@@ -444,19 +478,7 @@ def save_safetensors(
     """
     path = Path(path)
     prepared = {name: _tensor_bytes(name, value) for name, value in tensors.items()}
-    order = sorted(prepared, key=lambda n: (-_LAYOUT_RANK[prepared[n][0]], n))
-    doc: dict[str, Any] = {}
-    if metadata is not None:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise ValueError("metadata must map strings to strings")
-        doc[METADATA_KEY] = dict(sorted(metadata.items()))
-    offset = 0
-    for name in order:
-        dtype, dims, buf = prepared[name]
-        doc[name] = {"dtype": dtype, "shape": dims, "data_offsets": [offset, offset + buf.nbytes]}
-        offset += buf.nbytes
-    header = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    header += b" " * (-len(header) % HEADER_ALIGN)
+    header, order = build_header({n: (v[0], v[1]) for n, v in prepared.items()}, metadata)
 
     # Not tempfile.mkstemp: its 0600 mode would stick to the result; os.open honours the umask.
     tmp_name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")

@@ -7,7 +7,7 @@ Checkpoint(old) + Checkpoint(new) -> items (tensors and blobs, target order)
 
 from __future__ import annotations
 
-import os
+import contextlib
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,7 +19,7 @@ import numpy as np
 from pulsectl import __version__
 from pulsectl._atomic import atomic_file
 from pulsectl._dtypes import DTYPES
-from pulsectl._io import default_workers, ordered_map, pread_array
+from pulsectl._io import default_workers, ordered_map
 
 # `--level max` uses the context codec (positions grouped by the base word's exponent) and
 # zstd level MAX_PRESET_LEVEL for the planes.
@@ -27,11 +27,11 @@ from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL  # noqa: 
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.codecs import EncodedBlock, encode_block
 from pulsectl.codecs.context import KEYS as CONTEXT_KEYS
-from pulsectl.errors import InputError, UsageError
+from pulsectl.errors import UsageError
 from pulsectl.format import DEFAULT_BLOCK_BYTES, PatchWriter, blocks_in
 from pulsectl.hashing import checkpoint_fingerprint, new_hasher
-from pulsectl.inventory import scan_file
 from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
+from pulsectl.sources import FileSource, Source, scan
 
 Progress = Callable[[int, int], None]
 
@@ -56,8 +56,8 @@ class DiffSummary:
 
 
 def diff_to_path(
-    old: str | Path,
-    new: str | Path,
+    old: str | Path | Source,
+    new: str | Path | Source,
     out: str | Path,
     *,
     force: bool = False,
@@ -67,27 +67,54 @@ def diff_to_path(
 ) -> DiffSummary:
     """Write the patch from ``old`` to ``new`` to ``out`` atomically (fsynced if ``durable``)."""
     out = Path(out)
-    for source in (Path(old), Path(new)):
-        if out.exists() and source.exists() and out.resolve() == source.resolve():
+    for source in (old, new):
+        if (
+            isinstance(source, (str, Path))
+            and out.exists()
+            and Path(source).exists()
+            and (out.resolve() == Path(source).resolve())
+        ):
             raise UsageError(f"{out} is an input of the diff; write the patch elsewhere")
     with atomic_file(out, force, durable) as f:
         return diff_checkpoints(old, new, f, options=options, progress=progress)
 
 
 def diff_checkpoints(
-    old: str | Path,
-    new: str | Path,
+    old: str | Path | Source,
+    new: str | Path | Source,
     out: BinaryIO,
     *,
     options: DiffOptions | None = None,
     progress: Progress | None = None,
 ) -> DiffSummary:
-    """Stream the patch that turns checkpoint ``old`` into checkpoint ``new`` to ``out``."""
+    """Stream the patch that turns checkpoint ``old`` into checkpoint ``new`` to ``out``.
+
+    ``old`` and ``new`` are checkpoint paths or sources (see pulsectl.sources).
+    """
     options = options or DiffOptions()
     if not 1 <= options.level <= MAX_LEVEL:
         raise UsageError(f"level {options.level} is outside 1..{MAX_LEVEL}")
-    base = Checkpoint.open(old)
-    target = Checkpoint.open(new)
+    with contextlib.ExitStack() as stack:
+        base = _open_source(old, stack)
+        target = _open_source(new, stack)
+        return _diff_sources(base, target, old, new, out, options, progress)
+
+
+def _open_source(spec: str | Path | Source, stack: contextlib.ExitStack) -> Source:
+    if isinstance(spec, (str, Path)):
+        return stack.enter_context(FileSource(Checkpoint.open(spec)))
+    return spec
+
+
+def _diff_sources(
+    base: Source,
+    target: Source,
+    old: object,
+    new: object,
+    out: BinaryIO,
+    options: DiffOptions,
+    progress: Progress | None,
+) -> DiffSummary:
     if base.layout != target.layout:
         raise UsageError(
             f"{old} is a {_layout_word(base.layout)} but {new} is a "
@@ -95,8 +122,8 @@ def diff_checkpoints(
         )
     base_refs: list[FileRef] = []
     base_tensor_fps: dict[tuple[int, str], str] = {}
-    for index, entry in enumerate(base.files):
-        ref, tensor_fps = scan_file(entry)
+    for index in range(len(base.files)):
+        ref, tensor_fps = scan(base, index)
         base_refs.append(ref)
         for name, fp in tensor_fps.items():
             base_tensor_fps[(index, name)] = fp
@@ -137,16 +164,13 @@ def diff_checkpoints(
         files=tuple(files),
         items=tuple(items),
     )
-    with _Files(base) as base_fds, _Files(target) as target_fds:
-        return _write_patch(header, base, target, base_fds, target_fds, out, options, progress)
+    return _write_patch(header, base, target, out, options, progress)
 
 
 def _write_patch(
     header: PatchHeader,
-    base: Checkpoint,
-    target: Checkpoint,
-    base_fds: _Files,
-    target_fds: _Files,
+    base: Source,
+    target: Source,
     out: BinaryIO,
     options: DiffOptions,
     progress: Progress | None,
@@ -167,9 +191,7 @@ def _write_patch(
     def tasks() -> Iterator[Callable[[], tuple[np.ndarray, EncodedBlock]]]:
         for index, item in enumerate(header.items):
             for b in range(blocks_in(item.nbytes, bb)):
-                yield _encode_task(
-                    item, b, bb, base, target, base_fds, target_fds, options.level, keys[index]
-                )
+                yield _encode_task(item, b, bb, base, target, options.level, keys[index])
 
     writer = PatchWriter(out, header.to_json())
     results = ordered_map(tasks(), options.workers)
@@ -223,10 +245,8 @@ def _encode_task(
     item: Item,
     block: int,
     block_bytes: int,
-    base: Checkpoint,
-    target: Checkpoint,
-    base_fds: _Files,
-    target_fds: _Files,
+    base: Source,
+    target: Source,
     level: int,
     key: tuple[int, int] | None,
 ) -> Callable[[], tuple[np.ndarray, EncodedBlock]]:
@@ -234,7 +254,7 @@ def _encode_task(
     size = min(block_bytes, item.nbytes - offset)
 
     def run() -> tuple[np.ndarray, EncodedBlock]:
-        new = target_fds.read(item.file, item.start + offset, size)
+        new = target.read(item.file, item.start + offset, size)
         old = None
         if item.base_file is not None:
             start = 0
@@ -242,39 +262,13 @@ def _encode_task(
                 found = base.find_tensor(item.base_name)
                 assert found is not None
                 start = found[1].start
-            old = base_fds.read(item.base_file, start + offset, size)
+            old = base.read(item.base_file, start + offset, size)
         return new, encode_block(old, new, item.word, level, key)
 
     return run
 
 
-class _Files:
-    """Read-only descriptors for a checkpoint's files, opened once."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self._ckpt = ckpt
-        self._fds: list[int] = []
-
-    def __enter__(self) -> _Files:
-        for entry in self._ckpt.files:
-            try:
-                self._fds.append(os.open(entry.path, os.O_RDONLY))
-            except OSError as exc:
-                self.__exit__()
-                raise InputError(
-                    f"{entry.path}: cannot open: {exc.strerror}", path=entry.path
-                ) from exc
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
-
-    def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
-        return pread_array(
-            self._fds[file_index], offset, nbytes, str(self._ckpt.files[file_index].path)
-        )
+_Files = FileSource  # the name stats.py and apply.py import
 
 
 def _layout_word(layout: str) -> str:

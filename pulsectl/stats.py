@@ -37,11 +37,12 @@ from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import CODEC_DELTA, _zstd
 from pulsectl.codecs.delta import _HEAD as _DELTA_HEAD
 from pulsectl.codecs.delta import find_changes
-from pulsectl.diff import DiffOptions, _Files, diff_to_path
+from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import CorruptPatchError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, blocks_in
 from pulsectl.info import read_patch_info
 from pulsectl.patch import header_from_json, trailer_from_json
+from pulsectl.sources import FileSource as _Files
 
 STATS_SCHEMA = 1  # version of the JSON of `pulsectl stats --json` (docs/STATS.md)
 BUCKETS = ("1", "2", "3-8", ">8")  # word-delta histogram buckets, in ULPs

@@ -1,0 +1,105 @@
+"""Where diff reads tensors from: checkpoint files, or anything else that looks like one.
+
+A *source* is a checkpoint's layout and files (with their parsed safetensors headers) plus a
+``read(file_index, offset, nbytes)`` that returns those bytes. ``FileSource`` reads files on disk
+with pread; ``pulsectl.torch_api`` provides one over live tensors, so that a patch made from a
+state dict is exactly the patch of the file ``save_safetensors`` would write.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Literal, Protocol
+
+import numpy as np
+
+from pulsectl._io import pread_array
+from pulsectl.checkpoint import Checkpoint, FileEntry, TensorInfo
+from pulsectl.errors import InputError
+from pulsectl.hashing import fingerprint_file, new_hasher
+from pulsectl.patch import FileRef
+
+SCAN_CHUNK = 16 * 1024 * 1024
+
+
+class Source(Protocol):
+    layout: Literal["file", "dir"]
+    files: tuple[FileEntry, ...]
+
+    def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes (uint8) of file ``file_index`` from ``offset``."""
+        ...
+
+    def find_tensor(self, name: str) -> tuple[FileEntry, TensorInfo] | None: ...
+
+    def file(self, relpath: str) -> FileEntry | None: ...
+
+    def close(self) -> None: ...
+
+
+class FileSource:
+    """A checkpoint on disk, its files opened once for pread."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self.layout = ckpt.layout
+        self.files = ckpt.files
+        self._fds: list[int] = []
+
+    def __enter__(self) -> FileSource:
+        self.open()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        for entry in self.ckpt.files:
+            try:
+                self._fds.append(os.open(entry.path, os.O_RDONLY))
+            except OSError as exc:
+                self.close()
+                raise InputError(
+                    f"{entry.path}: cannot open: {exc.strerror}", path=entry.path
+                ) from exc
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
+        return pread_array(
+            self._fds[file_index], offset, nbytes, str(self.ckpt.files[file_index].path)
+        )
+
+    def find_tensor(self, name: str) -> tuple[FileEntry, TensorInfo] | None:
+        return self.ckpt.find_tensor(name)
+
+    def file(self, relpath: str) -> FileEntry | None:
+        return self.ckpt.file(relpath)
+
+
+def scan(source: Source, index: int) -> tuple[FileRef, dict[str, str]]:
+    """File fingerprint and, for a safetensors file, each tensor's fingerprint, in one pass."""
+    entry = source.files[index]
+    if entry.header is None:
+        if isinstance(source, FileSource):
+            return FileRef(entry.relpath, entry.size, fingerprint_file(entry.path)), {}
+        data = source.read(index, 0, entry.size)
+        h = new_hasher()
+        h.update(data)
+        return FileRef(entry.relpath, entry.size, h.hexdigest()), {}
+    whole = new_hasher()
+    whole.update(struct.pack("<Q", len(entry.header.raw)))
+    whole.update(entry.header.raw)
+    tensors: dict[str, str] = {}
+    for t in entry.header.tensors:
+        h = new_hasher()
+        for off in range(0, t.nbytes, SCAN_CHUNK):
+            chunk = source.read(index, t.start + off, min(SCAN_CHUNK, t.nbytes - off))
+            h.update(chunk)
+            whole.update(chunk)
+        tensors[t.name] = h.hexdigest()
+    return FileRef(entry.relpath, entry.size, whole.hexdigest()), tensors
