@@ -264,7 +264,8 @@ def _load_json(body: bytes, name: str, what: str) -> dict[str, Any]:
         raise CorruptPatchError(f"{name}: {what} claims {size} bytes of JSON", path=name)
     try:
         obj = json.loads(_zstd.decompress(body, size).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: bad JSON, or an integer of more than 4300 digits; RecursionError: nesting.
         raise CorruptPatchError(f"{name}: {what} is not valid JSON ({exc})", path=name) from exc
     if not isinstance(obj, dict):
         raise CorruptPatchError(f"{name}: {what} is not a JSON object", path=name)

@@ -167,7 +167,8 @@ def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
         if word not in _WORDS:
             v.fail(f"item word size {word} is not 1, 2, 4 or 8")
         if target.header is None:
-            if item_name is not None or nbytes != target.size:
+            # A blob's word is 1: its size need not be a multiple of anything wider.
+            if item_name is not None or nbytes != target.size or word != 1:
                 v.fail(f"blob item for {target.path!r} does not match the file")
             start = 0
         else:
@@ -262,7 +263,15 @@ def _parse_stored_header(raw: bytes, label: str) -> SafetensorsHeader:
             (int(e["data_offsets"][1]) for k, e in entries.items() if k != "__metadata__"),
             default=0,
         )
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        OverflowError,  # int(inf)
+        RecursionError,  # deeply nested JSON
+    ) as exc:
         raise FormatError(f"{label}: header is not a safetensors header") from exc
     return parse_header(raw, 8 + len(raw) + data_len, label)
 
@@ -284,6 +293,10 @@ def _check_paths(v: _Validator, paths: list[str], layout: str) -> None:
             or any(part in ("", ".", "..") or part.startswith(".") for part in parts)
         ):
             v.fail(f"unsafe file path {p!r}")
+    folders = {"/".join(p.split("/")[:k]) for p in paths for k in range(1, p.count("/") + 1)}
+    clash = sorted(folders.intersection(paths))
+    if clash:
+        v.fail(f"{clash[0]!r} is both a file and a folder")
 
 
 class _Validator:
