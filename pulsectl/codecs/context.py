@@ -133,7 +133,10 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     unary, offset = _take_sized(view, offset)
     remainder, offset = _take_sized(view, offset)
     per_change_k = np.repeat(ks, counts)
-    quotients = _unpack_unary(unary, count)
+    # Every quotient is at most its gap and the gaps of a valid block add up to less than
+    # nwords, so the first count 0-bits lie in the first count + nwords bits: read no further
+    # (a hostile stream of block_bytes + 1 MiB would otherwise unpack to 64 times its size).
+    quotients = _unpack_unary(unary[: (count + nwords + 7) // 8], count)
     rems = _unpack_bits(remainder, per_change_k)
     gaps = (quotients << per_change_k) | rems
     first = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -217,9 +220,9 @@ def _pack_bits(values: np.ndarray, widths: np.ndarray) -> bytes:
 
 def _unpack_bits(data: memoryview, widths: np.ndarray) -> np.ndarray:
     total = int(widths.sum())
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
-    if bits.size < total or bits.size - total >= 8:
+    if len(data) != (total + 7) // 8:  # checked before unpacking: 8 bytes of memory per bit
         raise CorruptPatchError("context block remainder stream has the wrong length")
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
     out = np.zeros(widths.size, dtype=np.int64)
     if total == 0:
         return out
