@@ -29,7 +29,10 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
 
 def temp_path(path: Path) -> Path:
     """A fresh hidden name in the folder of ``path`` (not created)."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
+    try:  # creating it is the first write to the folder: read-only, full, no permission
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
+    except OSError as exc:
+        raise os_error(exc, path) from exc
     os.close(fd)
     os.unlink(name)
     return Path(name)
@@ -37,10 +40,15 @@ def temp_path(path: Path) -> Path:
 
 def os_error(exc: OSError, path: Path) -> OutputError:
     """Turn a write failure into one clear line."""
-    if exc.errno == errno.ENOSPC:
-        return OutputError(f"{path}: no space left on device", path=path)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(
+            f"{path}: no space left on device; free some space or write the output elsewhere",
+            path=path,
+        )
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return OutputError(f"{path}: cannot write ({exc.strerror})", path=path)
+        return OutputError(
+            f"{path}: cannot write ({exc.strerror}); write the output elsewhere", path=path
+        )
     return OutputError(f"{path}: cannot write: {exc.strerror}", path=path)
 
 
