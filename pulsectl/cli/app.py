@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=args, prog_name="pulsectl", standalone_mode=False)
         code = result if isinstance(result, int) else 0
+        if code == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into a silent Exit(130)
+            sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
     except PulseError as exc:
         if _wants_traceback(args):
             traceback.print_exc()
