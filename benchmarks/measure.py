@@ -1,0 +1,127 @@
+"""Run commands as child processes and record wall time and the child's own peak RSS.
+
+Each command runs in a fresh child; ``os.wait4`` returns that child's rusage, whose
+``ru_maxrss`` (KiB on Linux) is its peak resident set, independent of earlier children.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_WARM_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class Run:
+    wall_s: float
+    max_rss_bytes: int
+    returncode: int
+    cpu_s: float = 0.0  # user + system time of the child
+
+
+def timed(cmd: list[str], stdout: Path | None = None, timeout: float | None = None) -> Run:
+    """Wall time and peak RSS of ``cmd`` in a fresh child, via fork/exec and wait4."""
+    out_fd = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stdout else None
+    err_r, err_w = os.pipe()
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(err_r)
+            os.dup2(out_fd if out_fd is not None else os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(err_w, 2)
+            os.execvp(cmd[0], cmd)
+        finally:
+            os._exit(127)
+    os.close(err_w)
+    if out_fd is not None:
+        os.close(out_fd)
+    err = b""
+    deadline = None if timeout is None else t0 + timeout
+    os.set_blocking(err_r, False)
+    while True:
+        try:
+            chunk = os.read(err_r, 1 << 16)
+            if chunk:
+                err = (err + chunk)[-8192:]
+        except BlockingIOError:
+            pass
+        wpid, status, usage = os.wait4(pid, os.WNOHANG)
+        if wpid:
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            os.kill(pid, 9)
+            _, status, usage = os.wait4(pid, 0)
+            os.close(err_r)
+            cpu = usage.ru_utime + usage.ru_stime
+            return Run(time.perf_counter() - t0, usage.ru_maxrss * 1024, -9, cpu)
+        time.sleep(0.002)
+    wall = time.perf_counter() - t0
+    os.close(err_r)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.stderr.write(
+            f"command failed ({code}): {' '.join(cmd)}\n{err.decode(errors='replace')}\n"
+        )
+    return Run(wall, usage.ru_maxrss * 1024, code, usage.ru_utime + usage.ru_stime)
+
+
+def best_of(
+    n: int,
+    cmd: list[str],
+    stdout: Path | None = None,
+    timeout: float | None = None,
+    repeat_below_s: float = 60.0,
+) -> dict[str, Any]:
+    """Run up to ``n`` times (once more only while runs take < ``repeat_below_s``); report the
+    fastest wall time, the least CPU time, the largest RSS and every wall time."""
+    runs = [timed(cmd, stdout, timeout)]
+    while len(runs) < n and runs[-1].returncode == 0 and runs[-1].wall_s < repeat_below_s:
+        runs.append(timed(cmd, stdout, timeout))
+    return {
+        "wall_s": min(r.wall_s for r in runs),
+        "walls_s": [round(r.wall_s, 4) for r in runs],
+        "cpu_s": min(r.cpu_s for r in runs),
+        "max_rss_bytes": max(r.max_rss_bytes for r in runs),
+        "returncode": max((r.returncode for r in runs), key=abs),
+        "timed_out": any(r.returncode == -9 for r in runs),
+    }
+
+
+def warm(*paths: Path) -> None:
+    """Read files once so every measured command finds them in the page cache."""
+    buf = bytearray(_WARM_CHUNK)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def which(name: str) -> str | None:
+    return shutil.which(name)
+
+
+COMPARE_SCRIPT = r"""
+import sys
+import numpy as np
+old, new, start, end = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+a = np.memmap(old, dtype=np.uint8, mode="r")
+b = np.memmap(new, dtype=np.uint8, mode="r")
+step = 1 << 24  # bytes per chunk, a multiple of 2
+n = 0
+for i in range(start, end, step):
+    j = min(end, i + step)
+    n += int((a[i:j].view(np.uint16) != b[i:j].view(np.uint16)).sum())
+print(n)
+"""
+
+
+def compare_cmd(old: Path, new: Path, start: int, end: int) -> list[str]:
+    """A bare compare pass: count differing BF16 words over the data region."""
+    return [sys.executable, "-c", COMPARE_SCRIPT, str(old), str(new), str(start), str(end)]
