@@ -1,0 +1,470 @@
+"""Patches from and to live tensors (a model's state dict, on any device).
+
+A state dict is treated as the safetensors file ``save_safetensors`` would write for it, so a
+patch made here is byte for byte the patch ``pulsectl diff`` makes from the saved files, and a
+patch made from files applies here. This module imports torch; the rest of pulsectl does not.
+
+Trainer::
+
+    from pulsectl.torch_api import Publisher
+    publisher = Publisher()
+    publisher.anchor(model.state_dict(), "anchor.safetensors")   # full checkpoint, once
+    for step in range(steps):
+        train_step(model)
+        patch = publisher.publish(model.state_dict())   # bytes: send them anywhere
+
+Worker::
+
+    from pulsectl.torch_api import apply_patch
+    apply_patch(model.state_dict(), patch)   # in place; refuses a wrong base, touching nothing
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
+import torch
+
+from pulsectl._io import default_workers, ordered_map
+from pulsectl.checkpoint import FileEntry, SafetensorsHeader, TensorInfo, build_header, parse_header
+from pulsectl.codecs import decode_block
+from pulsectl.codecs.delta import find_changes
+from pulsectl.diff import DiffOptions, DiffSummary, diff_checkpoints
+from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
+from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
+from pulsectl.hashing import new_hasher
+from pulsectl.patch import header_from_json, trailer_from_json
+
+__all__ = [
+    "Publisher",
+    "StateDictSource",
+    "apply_patch",
+    "make_patch",
+    "state_dict_fingerprint",
+    "write_patch",
+]
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        TORCH_TO_SAFETENSORS[getattr(torch, _name)] = _st
+SAFETENSORS_TO_TORCH = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
+_WORD_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_WORD = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_HASH_CHUNK = 64 * 1024 * 1024
+
+PatchData = bytes | bytearray | memoryview | str | Path | BinaryIO
+Level = int | Literal["max"]
+
+
+def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its device (a view when contiguous)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy() if t.numel() else np.empty(0, dtype=np.uint8)
+
+
+class StateDictSource:
+    """A state dict as a pulsectl source: the single safetensors file it would be saved as."""
+
+    layout: Literal["file"] = "file"
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+    ) -> None:
+        meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for name, t in tensors.items():
+            if t.dtype not in TORCH_TO_SAFETENSORS:
+                raise UsageError(f"tensor {name!r}: dtype {t.dtype} has no safetensors dtype")
+            meta[name] = (TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape))
+        raw, _ = build_header(meta, metadata)
+        data = sum(_tensor_bytes_len(t) for t in tensors.values())
+        header = parse_header(raw, 8 + len(raw) + data, "<state dict>")
+        self.header: SafetensorsHeader = header
+        self.files = (FileEntry("", Path("<state dict>"), header.file_size, header),)
+        self._tensors = dict(tensors)
+        self._starts = [t.start for t in header.tensors]
+        self._infos = list(header.tensors)
+        self._by_name = {t.name: t for t in header.tensors}
+
+    def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
+        info = self._locate(offset, nbytes)
+        lo = offset - info.start
+        return _to_numpy(_tensor_bytes(self._tensors[info.name])[lo : lo + nbytes])
+
+    def _locate(self, offset: int, nbytes: int) -> TensorInfo:
+        import bisect
+
+        i = bisect.bisect_right(self._starts, offset) - 1
+        while i >= 0 and self._infos[i].nbytes == 0 and nbytes:
+            i -= 1
+        info = self._infos[max(i, 0)]
+        if not (info.start <= offset and offset + nbytes <= info.start + info.nbytes):
+            # An empty read at a zero-size tensor's offset, or a range crossing tensors.
+            if nbytes == 0:
+                return info
+            raise ValueError(f"read of {nbytes} bytes at {offset} crosses a tensor boundary")
+        return info
+
+    def find_tensor(self, name: str) -> tuple[FileEntry, TensorInfo] | None:
+        info = self._by_name.get(name)
+        return None if info is None else (self.files[0], info)
+
+    def file(self, relpath: str) -> FileEntry | None:
+        return self.files[0] if relpath == "" else None
+
+    def close(self) -> None:
+        pass
+
+
+def _tensor_bytes_len(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _options(level: Level, workers: int | None) -> DiffOptions:
+    from pulsectl._names import MAX_PRESET_LEVEL
+
+    workers = workers or default_workers()
+    if level == "max":
+        return DiffOptions(level=MAX_PRESET_LEVEL, context=True, workers=workers)
+    return DiffOptions(level=int(level), workers=workers)
+
+
+def write_patch(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    out: str | Path | BinaryIO,
+    *,
+    level: Level = 3,
+    metadata: Mapping[str, str] | None = None,
+    workers: int | None = None,
+) -> DiffSummary:
+    """Write the patch from state dict ``old`` to ``new`` to a path or a binary file object.
+
+    >>> summary = write_patch(before, model.state_dict(), "step_001.pulse")  # doctest: +SKIP
+    """
+    base = StateDictSource(old, metadata)
+    target = StateDictSource(new, metadata)
+    options = _options(level, workers)
+    if isinstance(out, (str, Path)):
+        from pulsectl.diff import diff_to_path
+
+        return diff_to_path(base, target, Path(out), force=True, options=options)
+    return diff_checkpoints(base, target, out, options=options)
+
+
+def make_patch(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    level: Level = 3,
+    metadata: Mapping[str, str] | None = None,
+    workers: int | None = None,
+) -> bytes:
+    """The patch from state dict ``old`` to ``new``, as bytes.
+
+    >>> patch = make_patch(before, model.state_dict())  # doctest: +SKIP
+    """
+    buf = io.BytesIO()
+    write_patch(old, new, buf, level=level, metadata=metadata, workers=workers)
+    return buf.getvalue()
+
+
+def state_dict_fingerprint(
+    state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> str:
+    """The fingerprint `pulsectl hash` would print for the saved state dict."""
+    source = StateDictSource(state, metadata)
+    h = new_hasher()
+    h.update(len(source.header.raw).to_bytes(8, "little") + source.header.raw)
+    for info in source.header.tensors:
+        for off in range(0, info.nbytes, _HASH_CHUNK):
+            h.update(source.read(0, info.start + off, min(_HASH_CHUNK, info.nbytes - off)))
+    return h.hexdigest()
+
+
+@dataclass
+class Publisher:
+    """Remembers the last published state and turns each new one into a patch.
+
+    The remembered state is a host copy (``keep_on_device=False``, the default) or a clone on
+    the tensors' device. ``level`` is 1..22 or ``"max"``; ``metadata`` goes into the (virtual)
+    safetensors header, e.g. ``{"format": "pt"}`` to match what transformers saves.
+    """
+
+    level: Level = 3
+    metadata: Mapping[str, str] | None = None
+    keep_on_device: bool = False
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        self._last: dict[str, torch.Tensor] | None = None
+        self.fingerprint: str | None = None  # of the last published state
+        self.step = 0
+
+    def anchor(self, state: Mapping[str, torch.Tensor], out: str | Path | None = None) -> str:
+        """Remember ``state`` as the base of the next patch; optionally save it to ``out``."""
+        self._last = self._snapshot(state)
+        if out is not None:
+            from pulsectl.checkpoint import save_safetensors
+
+            save_safetensors(
+                out,
+                {
+                    name: (
+                        TORCH_TO_SAFETENSORS[t.dtype],
+                        tuple(t.shape),
+                        _to_numpy(_tensor_bytes(t)),
+                    )
+                    for name, t in self._last.items()
+                },
+                self.metadata,
+            )
+        self.fingerprint = state_dict_fingerprint(self._last, self.metadata)
+        return self.fingerprint
+
+    def publish(
+        self, state: Mapping[str, torch.Tensor], out: str | Path | BinaryIO | None = None
+    ) -> bytes | DiffSummary:
+        """The patch from the last published state to ``state`` (bytes, or written to ``out``).
+
+        ``state`` becomes the new last published state.
+        """
+        if self._last is None:
+            raise UsageError("Publisher.publish: call anchor() with the starting state first")
+        if out is None:
+            result: bytes | DiffSummary = make_patch(
+                self._last, state, level=self.level, metadata=self.metadata, workers=self.workers
+            )
+            target_fp = _target_of(result)  # type: ignore[arg-type]
+        else:
+            result = write_patch(
+                self._last,
+                state,
+                out,
+                level=self.level,
+                metadata=self.metadata,
+                workers=self.workers,
+            )
+            target_fp = result.target_fingerprint
+        self._last = self._snapshot(state)
+        self.fingerprint = target_fp
+        self.step += 1
+        return result
+
+    def _snapshot(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.keep_on_device:
+            return {k: v.detach().clone() for k, v in state.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def _target_of(patch: bytes) -> str:
+    stream = io.BytesIO(patch)
+    reader = PatchReader(stream, "<patch>")
+    header = header_from_json(reader.header, reader.name)
+    return trailer_from_json(
+        read_trailer_at_end(stream, "<patch>"), header, "<patch>"
+    ).target_fingerprint
+
+
+def _read_all(patch: PatchData) -> tuple[bytes, str]:
+    if isinstance(patch, (bytes, bytearray, memoryview)):
+        return bytes(patch), "<patch>"
+    if isinstance(patch, (str, Path)):
+        from pulsectl.errors import InputError
+
+        try:
+            return Path(patch).read_bytes(), str(patch)
+        except OSError as exc:
+            raise InputError(f"{patch}: cannot read patch: {exc.strerror}", path=patch) from exc
+    data = patch.read()
+    return data, str(getattr(patch, "name", "<stream>"))
+
+
+@dataclass(frozen=True)
+class _Update:
+    name: str
+    positions: np.ndarray | None  # word indices into the tensor (None: replace the tensor)
+    words: np.ndarray  # new words at ``positions``, or every byte of the new tensor
+
+
+def apply_patch(
+    state: MutableMapping[str, torch.Tensor], patch: PatchData, *, workers: int | None = None
+) -> str:
+    """Apply a single-file patch to ``state`` in place; returns the target fingerprint.
+
+    Nothing is modified unless every base tensor the patch reads has the fingerprint the patch
+    expects and every decoded tensor has the fingerprint the patch promises: the changes are
+    decoded and verified on the host first, then written into the tensors (on their device)
+    with an indexed copy. Tensors the target does not have are removed from ``state``; new or
+    reshaped ones are added on the device of the tensor they replace (or of the first tensor).
+
+    >>> apply_patch(model.state_dict(), patch_bytes)  # doctest: +SKIP
+    """
+    data, name = _read_all(patch)
+    stream = io.BytesIO(data)
+    reader = PatchReader(stream, name)
+    header = header_from_json(reader.header, name)
+    if header.layout != "file":
+        raise UsageError(
+            f"{name}: a folder patch applies to folders (apply_patches), not a state dict"
+        )
+    trailer = trailer_from_json(read_trailer_at_end(io.BytesIO(data), name), header, name)
+    tfile = header.files[0]
+    assert tfile.header is not None
+    targets = {t.name: t for t in tfile.header.tensors}
+
+    # 1. The base: every tensor the patch reads must be there, with the expected bytes.
+    for item in header.items:
+        if item.base_name is None:
+            continue
+        t = state.get(item.base_name)
+        want = targets[item.name] if item.name is not None else None
+        if t is None:
+            raise IntegrityError(
+                f"{name}: wrong base: the state dict has no tensor {item.base_name!r}; apply "
+                "the patch to the state it was made from",
+                tensor=item.base_name,
+            )
+        if want is not None and (
+            TORCH_TO_SAFETENSORS.get(t.dtype) != want.dtype or tuple(t.shape) != want.shape
+        ):
+            raise IntegrityError(
+                f"{name}: wrong base: tensor {item.base_name!r} is {t.dtype} {tuple(t.shape)}, "
+                f"the patch expects {want.dtype} {list(want.shape)}",
+                tensor=item.base_name,
+            )
+        got = _fingerprint_tensor(t)
+        if got != item.base_fingerprint:
+            raise IntegrityError(
+                f"{name}: wrong base: tensor {item.base_name!r} has fingerprint {got}, the patch "
+                f"expects {item.base_fingerprint}; apply the patch to the state it was made from",
+                tensor=item.base_name,
+                expected=item.base_fingerprint,
+                actual=got,
+            )
+
+    # 2. Decode and verify everything on the host; nothing is touched yet.
+    bb = header.block_bytes
+    updates: list[_Update] = []
+
+    def tasks() -> Iterator[Callable[[], np.ndarray]]:
+        for index, item in enumerate(header.items):
+            nblocks = blocks_in(item.nbytes, bb)
+            reader.read_frame(index, nblocks)
+            base_bytes = (
+                _tensor_bytes(state[item.base_name]) if item.base_name is not None else None
+            )
+            for b in range(nblocks):
+                size = min(bb, item.nbytes - b * bb)
+                block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
+                yield _decode(block.codec, block.payload, base_bytes, b * bb, size, item.word)
+
+    results = ordered_map(tasks(), workers or default_workers())
+    for item, promised in zip(header.items, trailer.items, strict=True):
+        assert item.name is not None
+        h = new_hasher()
+        positions: list[np.ndarray] = []
+        words: list[np.ndarray] = []
+        for b in range(blocks_in(item.nbytes, bb)):
+            old, new = next(results)
+            h.update(new)
+            if item.base_name is None:
+                words.append(new)
+            else:
+                pos = find_changes(old, new, item.word)
+                positions.append(pos + b * bb // item.word)
+                words.append(new.view(_NP_WORD[item.word])[pos])
+        got = h.hexdigest()
+        if got != promised.fingerprint:
+            raise IntegrityError(
+                f"{name}: tensor {item.name!r} decodes to fingerprint {got}, the patch promises "
+                f"{promised.fingerprint}; nothing was changed",
+                tensor=item.name,
+                expected=promised.fingerprint,
+                actual=got,
+            )
+        if item.base_name is None:
+            updates.append(_Update(item.name, None, _concat(words, np.uint8)))
+        else:
+            updates.append(
+                _Update(
+                    item.name, _concat(positions, np.int64), _concat(words, _NP_WORD[item.word])
+                )
+            )
+    reader.read_trailer()  # the whole-file checksum
+
+    # 3. Write.
+    default_device = next(iter(state.values())).device if state else torch.device("cpu")
+    for update in updates:
+        info = targets[update.name]
+        if update.positions is None:
+            device = state[update.name].device if update.name in state else default_device
+            raw = torch.from_numpy(update.words.copy())
+            dtype = SAFETENSORS_TO_TORCH[info.dtype]
+            new_t = (
+                raw.view(dtype).reshape(info.shape)
+                if info.nbytes
+                else torch.empty(info.shape, dtype=dtype)
+            )
+            state[update.name] = new_t.to(device)
+        elif update.positions.size:
+            t = state[update.name]
+            if not t.is_contiguous():
+                raise UsageError(f"tensor {update.name!r} is not contiguous; cannot patch in place")
+            flat = t.detach().view(-1).view(torch.uint8).view(_WORD_DTYPE[info.word])
+            index = torch.from_numpy(update.positions).to(t.device)
+            flat[index] = torch.from_numpy(update.words).to(t.device)
+    for key in [k for k in state if k not in targets]:
+        del state[key]
+    return trailer.target_fingerprint
+
+
+def _decode(
+    codec: int, payload: bytes, base: torch.Tensor | None, offset: int, size: int, word: int
+) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
+    def run() -> tuple[np.ndarray | None, np.ndarray]:
+        old = None if base is None else _to_numpy(base[offset : offset + size])
+        try:
+            new = decode_block(codec, payload, old, size, word)
+        except CorruptPatchError:
+            raise
+        return old, new
+
+    return run  # type: ignore[return-value]
+
+
+def _fingerprint_tensor(t: torch.Tensor) -> str:
+    flat = _tensor_bytes(t)
+    h = new_hasher()
+    for off in range(0, flat.numel(), _HASH_CHUNK):
+        h.update(_to_numpy(flat[off : off + _HASH_CHUNK]))
+    return h.hexdigest()
+
+
+def _concat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)

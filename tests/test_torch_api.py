@@ -1,0 +1,189 @@
+"""The torch API: patches from and to live state dicts, byte-identical to the file path."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pulsectl.diff import DiffOptions, diff_checkpoints
+from pulsectl.errors import CorruptPatchError, IntegrityError
+from pulsectl.hashing import fingerprint_file
+from pulsectl.torch_api import (
+    Publisher,
+    apply_patch,
+    make_patch,
+    state_dict_fingerprint,
+    write_patch,
+)
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed.weight": (torch.randn(300, 64, generator=g) * 0.02).to(torch.bfloat16),
+        "model.layers.0.mlp.weight": (torch.randn(64, 128, generator=g) * 0.05).to(torch.bfloat16),
+        "model.layers.0.norm.weight": torch.ones(64, dtype=torch.bfloat16),
+        "model.layers.0.bias": torch.randn(128, generator=g).to(torch.float32),
+        "model.step": torch.tensor(7, dtype=torch.int64),
+        "model.mask": torch.tensor([True, False, True]),
+        "model.empty": torch.zeros(0, 3),
+    }
+
+
+def _step(state: dict[str, torch.Tensor], seed: int, frac: float = 0.01) -> dict[str, torch.Tensor]:
+    """A copy with ~frac of the 16-bit words moved by one unit, like an Adam step in BF16."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v.clone() for k, v in state.items()}
+    for name in ("model.embed.weight", "model.layers.0.mlp.weight"):
+        bits = out[name].view(torch.int16)
+        mask = torch.rand(bits.shape, generator=g) < frac
+        bits[mask] += torch.where(torch.rand(bits.shape, generator=g) < 0.5, 1, -1).to(torch.int16)[
+            mask
+        ]
+    out["model.step"] = out["model.step"] + 1
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.numel() and not torch.equal(
+            x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)
+        ):
+            return False
+    return True
+
+
+def test_make_patch_equals_the_file_path(tmp_path: Path):
+    old, new = _state(), _step(_state(), 1)
+    save_file(old, tmp_path / "a.safetensors")
+    save_file(new, tmp_path / "b.safetensors")
+    buf = io.BytesIO()
+    diff_checkpoints(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", buf, options=DiffOptions(workers=1)
+    )
+    assert make_patch(old, new, workers=1) == buf.getvalue()
+    assert make_patch(old, new, level="max", workers=2) == make_patch(
+        old, new, level="max", workers=1
+    )
+
+
+def test_state_dict_fingerprint_is_the_saved_files(tmp_path: Path):
+    state = _state()
+    save_file(state, tmp_path / "a.safetensors")
+    assert state_dict_fingerprint(state) == fingerprint_file(tmp_path / "a.safetensors")
+
+
+@pytest.mark.parametrize("level", [3, "max"])
+def test_apply_patch_in_place(level):
+    old, new = _state(), _step(_state(), 2, frac=0.05)
+    # also: -0.0 and a NaN payload change, a removed, an added and a reshaped tensor
+    new["model.layers.0.bias"][3] = (
+        -0.0 if old["model.layers.0.bias"][3] == 0 else -old["model.layers.0.bias"][3]
+    )
+    new["model.layers.0.norm.weight"].view(torch.int16)[5] = 0x7FC1
+    del new["model.mask"]
+    new["model.extra"] = torch.arange(6, dtype=torch.float16)
+    new["model.layers.0.bias"] = new["model.layers.0.bias"].reshape(2, 64)
+    patch = make_patch(old, new, level=level)
+    state = {k: v.clone() for k, v in old.items()}
+    embed_storage = state["model.embed.weight"].data_ptr()
+    fp = apply_patch(state, patch)
+    assert _same(state, new)
+    assert state["model.embed.weight"].data_ptr() == embed_storage  # updated in place
+    assert fp == state_dict_fingerprint(new)
+
+
+def test_apply_patch_refuses_wrong_base_and_touches_nothing():
+    old, new = _state(), _step(_state(), 3)
+    patch = make_patch(old, new)
+    wrong = {k: v.clone() for k, v in old.items()}
+    wrong["model.layers.0.norm.weight"][0] = 2.0
+    before = {k: v.clone() for k, v in wrong.items()}
+    with pytest.raises(IntegrityError, match="model.layers.0.norm.weight"):
+        apply_patch(wrong, patch)
+    assert _same(wrong, before)
+
+
+def test_apply_patch_refuses_damaged_patch_and_touches_nothing():
+    old, new = _state(), _step(_state(), 4)
+    patch = bytearray(make_patch(old, new))
+    patch[len(patch) // 2] ^= 0x10
+    state = {k: v.clone() for k, v in old.items()}
+    with pytest.raises((CorruptPatchError, IntegrityError)):
+        apply_patch(state, bytes(patch))
+    assert _same(state, old)
+
+
+def test_publisher_chain_and_worker(tmp_path: Path):
+    states = [_state()]
+    for i in range(4):
+        states.append(_step(states[-1], 10 + i))
+    publisher = Publisher(level="max")
+    fp0 = publisher.anchor(states[0], tmp_path / "anchor.safetensors")
+    assert fp0 == fingerprint_file(tmp_path / "anchor.safetensors")
+    worker = load_file(tmp_path / "anchor.safetensors")
+    for i, state in enumerate(states[1:], start=1):
+        if i % 2:
+            patch = publisher.publish(state)
+        else:
+            publisher.publish(state, tmp_path / f"p{i}.pulse")
+            patch = (tmp_path / f"p{i}.pulse").read_bytes()
+        assert apply_patch(worker, patch) == publisher.fingerprint == state_dict_fingerprint(state)
+        assert _same(worker, state)
+
+
+def test_file_patch_applies_to_a_module(tmp_path: Path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    new = _step_module(old)
+    save_file(old, tmp_path / "a.safetensors")
+    save_file(new, tmp_path / "b.safetensors")
+    with open(tmp_path / "p.pulse", "wb") as f:
+        diff_checkpoints(tmp_path / "a.safetensors", tmp_path / "b.safetensors", f)
+    apply_patch(model.state_dict(), tmp_path / "p.pulse")
+    assert _same({k: v for k, v in model.state_dict().items()}, new)
+
+
+def _step_module(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: v.clone() for k, v in state.items()}
+    for v in out.values():
+        v.view(torch.int16).view(-1)[::37] += 1
+    return out
+
+
+def test_write_patch_to_a_file_object_matches_bytes():
+    old, new = _state(), _step(_state(), 5)
+    buf = io.BytesIO()
+    summary = write_patch(old, new, buf, workers=1)
+    assert buf.getvalue() == make_patch(old, new, workers=1)
+    assert summary.changed_words == int(
+        sum(
+            (
+                old[k]
+                .contiguous()
+                .view(-1)
+                .view(torch.uint8)
+                .numpy()
+                .view(np.uint16 if old[k].element_size() == 2 else np.uint8)
+                != new[k]
+                .contiguous()
+                .view(-1)
+                .view(torch.uint8)
+                .numpy()
+                .view(np.uint16 if old[k].element_size() == 2 else np.uint8)
+            ).sum()
+            for k in ("model.embed.weight", "model.layers.0.mlp.weight")
+        )
+        + 1  # model.step: one I64 word
+    )
