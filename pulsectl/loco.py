@@ -326,8 +326,8 @@ def write_update(
             new = words.view(np.uint8)
             enc = encode_block(zeros[: new.size], new, 4, level)
             writer.add_block(enc.codec, enc.payload)
-            h.update(new)
-            whole.update(new)
+            h.update(new.data)
+            whole.update(new.data)
             changed += enc.changed
         results.append(ItemResult(h.hexdigest(), changed, writer.offset - start))
     target_fp = whole.hexdigest()
@@ -376,8 +376,8 @@ def read_update(source: str | Path | BinaryIO, name: str | None = None) -> Spars
                 raise CorruptPatchError(
                     f"{reader.name}: tensor {t.name!r}: {exc}", path=reader.name, tensor=t.name
                 ) from exc
-            h.update(data)
-            whole.update(data)
+            h.update(data.data)
+            whole.update(data.data)
             words = data.view("<u4")
             nz = np.flatnonzero(words)
             pos_parts.append(nz + b * words_per_block)
