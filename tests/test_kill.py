@@ -1,0 +1,211 @@
+"""Killed at any moment, apply leaves OUT absent or complete, and BASE untouched.
+
+A ~200 MB BF16 checkpoint and a chain of two patches (1% of the words move each step). The
+real CLI runs in a subprocess and gets SIGKILL, SIGTERM or SIGINT after a random delay. After
+each kill: OUT is absent or byte-identical to the target; BASE is untouched (with --in-place:
+it is the old checkpoint or the new one, whole); after SIGINT/SIGTERM no temp file is left;
+after SIGKILL a leftover is a `.NAME.pulsectl-tmp-*` temp beside OUT (docs/GUARANTEES.md says
+to delete those), removed here before the next round.
+
+CI: 20 kills, under a minute. `pytest -m slow tests/test_kill.py`: 60 more, `diff -o` included.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from _faultkit import TEMP_MARK, nudge, report
+
+from pulsectl.checkpoint import save_safetensors
+from pulsectl.diff import DiffOptions, diff_to_path
+
+TENSORS = 25  # x 8 MiB
+SIGNALS = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT]
+# What a process signalled early may return: done (0), cleaned up (130), or killed by the
+# signal itself while Python was still starting (before pulsectl installed its handlers).
+CLEAN_EXITS = {0, 130, -signal.SIGINT, -signal.SIGTERM}
+
+
+def file_fingerprint(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Chain:
+    folder: Path
+    base: Path
+    middle: Path
+    target: Path
+    patches: list[Path]
+    base_fp: str
+    target_fp: str
+    patch_fp: str  # of patches[0], for the `diff -o` kills
+    apply_seconds: float
+
+
+@pytest.fixture(scope="module")
+def chain200(tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    folder = tmp_path_factory.mktemp("kill")
+    rng = np.random.default_rng(2024)
+    words = {
+        f"model.layers.{i}.weight": rng.integers(0, 1 << 16, 2048 * 2048, dtype=np.uint16)
+        for i in range(TENSORS)
+    }
+    steps = []
+    for step in range(3):
+        if step:
+            words = {name: nudge(rng, w, 0.01) for name, w in words.items()}
+        path = folder / f"step{step}.safetensors"
+        save_safetensors(path, {n: ("BF16", [2048, 2048], w) for n, w in words.items()})
+        steps.append(path)
+    del words
+    patches = []
+    for step in (1, 2):
+        patch = folder / f"p{step}.pulse"
+        diff_to_path(steps[step - 1], steps[step], patch, options=DiffOptions(workers=2))
+        patches.append(patch)
+    chain = Chain(
+        folder,
+        steps[0],
+        steps[1],
+        steps[2],
+        patches,
+        file_fingerprint(steps[0]),
+        file_fingerprint(steps[2]),
+        file_fingerprint(patches[0]),
+        0.0,
+    )
+    # One uninterrupted run: it must work, and it tells how long a run takes here.
+    out = folder / "full.out"
+    start = time.monotonic()
+    subprocess.run(apply_argv(chain, out), check=True, capture_output=True, timeout=120)
+    chain.apply_seconds = time.monotonic() - start
+    assert file_fingerprint(out) == chain.target_fp
+    out.unlink()
+    return chain
+
+
+def apply_argv(chain: Chain, out: Path | None, base: Path | None = None) -> list[str]:
+    where = ["--in-place"] if out is None else ["-o", str(out)]
+    return [
+        sys.executable, "-m", "pulsectl", "-q", "apply", str(base or chain.base),
+        *map(str, chain.patches), *where,
+    ]  # fmt: skip
+
+
+def interrupt(argv: list[str], sig: signal.Signals, delay: float) -> tuple[int, str]:
+    """Start ``argv``, send ``sig`` after ``delay`` seconds; its exit status and stderr."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err.decode(errors="replace")
+
+
+def leftovers(folder: Path, name: str, sig: signal.Signals) -> None:
+    """No temp after SIGINT/SIGTERM; after SIGKILL only `.NAME.pulsectl-tmp-*`, removed here."""
+    temps = [p for p in folder.iterdir() if TEMP_MARK in p.name]
+    if sig != signal.SIGKILL:
+        assert not temps, f"temp files left after {sig.name}: {temps}"
+    for p in temps:
+        assert p.name.startswith(f".{name}{TEMP_MARK}"), p
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def kill_rounds(chain: Chain, rounds: int, in_place_every: int, seed: int) -> Counter[str]:
+    rng = random.Random(seed)
+    seen: Counter[str] = Counter()
+    work = chain.folder / "work"
+    work.mkdir(exist_ok=True)
+    for n in range(rounds):
+        sig = SIGNALS[n % len(SIGNALS)]
+        # Up to a little past the usual end: some kills land on the rename, some too late.
+        delay = rng.uniform(0.05, 1.05) * chain.apply_seconds
+        in_place = (n // len(SIGNALS)) % in_place_every == in_place_every - 1
+        if in_place:
+            victim = work / "ckpt.safetensors"
+            shutil.copyfile(chain.base, victim)
+            code, err = interrupt(apply_argv(chain, None, base=victim), sig, delay)
+            fp = file_fingerprint(victim)
+            assert fp in (chain.base_fp, chain.target_fp), f"BASE damaged by {sig.name}"
+            state = "new" if fp == chain.target_fp else "old"
+            leftovers(work, victim.name, sig)
+            victim.unlink()
+        else:
+            out = work / "out.safetensors"
+            code, err = interrupt(apply_argv(chain, out), sig, delay)
+            state = "complete" if out.exists() else "absent"
+            if out.exists():
+                assert file_fingerprint(out) == chain.target_fp, f"OUT incomplete after {sig.name}"
+                out.unlink()
+            leftovers(work, out.name, sig)
+        if sig == signal.SIGKILL:
+            assert code in (0, -signal.SIGKILL), (code, err)
+        else:
+            assert code in CLEAN_EXITS, (code, err)
+            assert "Traceback" not in err or code != 130, err
+            if code == 130:
+                assert err.strip() == "pulsectl: error: interrupted; no output was written", err
+        seen[f"{'in-place' if in_place else '-o'} {sig.name} {state}"] += 1
+    assert file_fingerprint(chain.base) == chain.base_fp, "BASE changed"
+    return seen
+
+
+def test_kill_apply(chain200: Chain, request: pytest.FixtureRequest) -> None:
+    seen = kill_rounds(chain200, rounds=21, in_place_every=3, seed=7)
+    report(
+        request.config,
+        "kills",
+        f"{sum(seen.values())} kills of a {TENSORS * 8} MiB apply "
+        f"(run {chain200.apply_seconds:.1f} s): "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(seen.items())),
+    )
+    assert sum(seen.values()) == 21
+
+
+@pytest.mark.slow
+def test_kill_apply_long(chain200: Chain) -> None:
+    seen = kill_rounds(chain200, rounds=60, in_place_every=2, seed=11)
+    assert sum(seen.values()) == 60
+
+
+@pytest.mark.slow
+def test_kill_diff(chain200: Chain) -> None:
+    """`diff -o` killed: the patch is absent or complete (diff output is deterministic)."""
+    rng = random.Random(3)
+    patch = chain200.folder / "work" / "killed.pulse"
+    patch.parent.mkdir(exist_ok=True)
+    argv = [
+        sys.executable, "-m", "pulsectl", "-q", "diff", str(chain200.base), str(chain200.middle),
+        "-o", str(patch), "--workers", "2",
+    ]  # fmt: skip
+    for n in range(12):
+        sig = SIGNALS[n % len(SIGNALS)]
+        code, err = interrupt(argv, sig, rng.uniform(0.2, 4.0))
+        if patch.exists():
+            assert file_fingerprint(patch) == chain200.patch_fp
+            patch.unlink()
+        leftovers(patch.parent, patch.name, sig)
+        assert code in (CLEAN_EXITS | {-signal.SIGKILL}), (code, err)
+    assert os.path.exists(chain200.base)
