@@ -142,6 +142,22 @@ class PatchReader:
         self.header: dict[str, Any] = _load_json(body, name, "header")
         self.frame_offsets: list[int] = []
 
+    @classmethod
+    def at_frame(cls, stream: BinaryIO, name: str, offset: int) -> PatchReader:
+        """A reader positioned at the frame at ``offset`` of a seekable patch (random access).
+
+        Block checksums are verified as usual; the whole-file checksum is not (read the patch
+        front to back for that).
+        """
+        reader = cls.__new__(cls)
+        reader._stream = stream
+        reader.name = name
+        reader._hash = xxhash.xxh3_64()
+        reader.offset = offset
+        reader.frame_offsets = []
+        stream.seek(offset)
+        return reader
+
     def _read(self, n: int, what: str, allow_short_magic: bool = False) -> bytes:
         data = _read_exact(self._stream, n)
         if len(data) != n:

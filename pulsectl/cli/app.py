@@ -22,6 +22,7 @@ from pulsectl.cli import log as log_cmd
 from pulsectl.cli import prune as prune_cmd
 from pulsectl.cli import publish as publish_cmd
 from pulsectl.cli import pull as pull_cmd
+from pulsectl.cli import squash as squash_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import Output
@@ -69,6 +70,7 @@ app.command("apply")(apply_cmd.apply)
 app.command("hash")(hash_cmd.hash_)
 app.command("verify")(verify_cmd.verify)
 app.command("inspect")(inspect_cmd.inspect)
+app.command("squash")(squash_cmd.squash)
 app.command("demo")(demo_cmd.demo)
 app.command("cast")(cast_cmd.cast)
 app.command("stats")(stats_cmd.stats)

@@ -42,14 +42,23 @@ def find_changes(old: np.ndarray, new: np.ndarray, word: int) -> np.ndarray:
 
 def encode(old: np.ndarray, new: np.ndarray, word: int, positions: np.ndarray, level: int) -> bytes:
     """Payload for the changed words at ``positions`` (sorted, non-empty)."""
+    utype = _UINT[word]
+    moved = new.view(utype)[positions] - old.view(utype)[positions]  # wraps modulo 2**bits
+    return encode_moves(positions, moved, word, level)
+
+
+def encode_moves(positions: np.ndarray, moved: np.ndarray, word: int, level: int) -> bytes:
+    """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``.
+
+    ``moved`` holds ``new - old`` modulo 2**(8*word) as unsigned ``word``-byte integers.
+    """
     utype, stype = _UINT[word], _SINT[word]
     count = positions.size
     gaps = np.diff(positions, prepend=-1) - 1
     max_gap = int(gaps.max())
     gap_bytes = max(1, (max_gap.bit_length() + 7) // 8)
     gaps32 = gaps.astype("<u4")
-    moved = new.view(utype)[positions] - old.view(utype)[positions]  # wraps modulo 2**bits
-    signed = moved.view(stype)
+    signed = moved.astype(utype, copy=False).view(stype)
     zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
     planes = [_plane(gaps32, 4, p) for p in range(gap_bytes)]
     planes += [_plane(zigzag, word, p) for p in range(word)]
@@ -62,10 +71,21 @@ def encode(old: np.ndarray, new: np.ndarray, word: int, positions: np.ndarray, l
 
 def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a delta payload."""
+    positions, moved = decode_moves(payload, word, old.size // word)
+    out = old.copy()
+    words = out.view(_UINT[word])
+    words[positions] = words[positions] + moved
+    return out
+
+
+def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (int64) and moves (``new - old``, unsigned) a delta payload holds.
+
+    Needs no base: this is what ``squash`` composes.
+    """
     if len(payload) < _HEAD.size:
         raise CorruptPatchError("delta block is shorter than its header")
     count, gap_bytes, pword, reserved = _HEAD.unpack_from(payload, 0)
-    nwords = old.size // word
     if pword != word or not 1 <= gap_bytes <= 4 or reserved:
         raise CorruptPatchError("delta block header is damaged")
     if not 0 < count <= nwords:
@@ -96,10 +116,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     utype, stype = _UINT[word], _SINT[word]
     zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
     signed = (zigzag >> 1).view(stype) ^ -(zigzag & 1).view(stype)
-    out = old.copy()
-    words = out.view(utype)
-    words[positions] = words[positions] + signed.view(utype)
-    return out
+    return positions, signed.view(utype)
 
 
 def _plane(values: np.ndarray, width: int, index: int) -> np.ndarray:

@@ -1,0 +1,47 @@
+"""`pulsectl squash P1 P2 ... -o P [--base CKPT]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pulsectl.cli._options import Force
+from pulsectl.cli._output import Output
+
+
+def squash(
+    ctx: typer.Context,
+    patches: Annotated[
+        list[Path], typer.Argument(metavar="PATCH", help="Patch files in chain order.")
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", metavar="PATCH", help="The squashed patch.")
+    ],
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            "--base",
+            metavar="CKPT",
+            help="The first patch's base. Needed for chains made with --level max; with it the "
+            "result is re-encoded from scratch (any --level).",
+        ),
+    ] = None,
+    level: Annotated[
+        str, typer.Option("--level", "-l", metavar="LEVEL", help="1..22, or 'max' (with --base).")
+    ] = "3",
+    force: Force = False,
+) -> None:
+    """Write one patch equivalent to the chain: the base of the first, the target of the last."""
+    from pulsectl.cli.diff import parse_level
+    from pulsectl.squash import squash_patches
+
+    out: Output = ctx.obj
+    options = parse_level(level, 1)
+    summary = squash_patches(patches, output, base=base, force=force, options=options)
+    out.info(
+        f"squashed {summary.patches} patches ({summary.input_bytes:,} bytes) into {output} "
+        f"({summary.patch_bytes:,} bytes); base {summary.base_fingerprint}, target "
+        f"{summary.target_fingerprint}"
+    )

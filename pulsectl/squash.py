@@ -1,0 +1,281 @@
+"""squash: one patch equivalent to a chain (the base of the first, the target of the last).
+
+Without the base checkpoint, blocks are composed symbolically: a delta block is a set of
+(position, move) pairs, and moves add up modulo the word size, so a word that moved +1 then -1
+drops out. Stored blocks carry their bytes, and later deltas apply to them. Context blocks
+(``--level max``) need the base words to find their positions, so a chain that has them is
+squashed with the base given: then the chain is applied to a temporary checkpoint and the
+result diffed against the base, with any codec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from pulsectl import __version__
+from pulsectl._atomic import atomic_file
+from pulsectl.codecs import (
+    CODEC_CONTEXT,
+    CODEC_COPY,
+    CODEC_DELTA,
+    CODEC_STORE,
+    CODEC_ZSTD,
+    EncodedBlock,
+    decode_block,
+    encode_block,
+)
+from pulsectl.codecs.delta import decode_moves, encode_moves
+from pulsectl.diff import DiffOptions
+from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.format import (
+    BLOCK_PAYLOAD_SLACK,
+    Block,
+    PatchReader,
+    PatchWriter,
+    blocks_in,
+)
+from pulsectl.info import PatchInfo, read_patch_info
+from pulsectl.patch import Item, ItemResult, PatchHeader, PatchTrailer
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True)
+class SquashSummary:
+    patches: int
+    input_bytes: int
+    patch_bytes: int
+    base_fingerprint: str
+    target_fingerprint: str
+
+
+def squash_patches(
+    patches: Sequence[str | Path],
+    out: str | Path,
+    *,
+    base: str | Path | None = None,
+    force: bool = False,
+    options: DiffOptions | None = None,
+) -> SquashSummary:
+    """Write one patch equivalent to applying ``patches`` in order; ``base`` is optional."""
+    if not patches:
+        raise UsageError("no patch given")
+    if any(str(p) == "-" for p in patches):
+        raise UsageError("squash reads patches by seeking; give files, not '-'")
+    infos = [read_patch_info(p, check=True) for p in patches]
+    for prev, nxt in zip(infos, infos[1:], strict=False):
+        if nxt.header.base_fingerprint != prev.trailer.target_fingerprint:
+            raise IntegrityError(
+                f"{nxt.name}: patch chain out of order: it expects base "
+                f"{nxt.header.base_fingerprint}, but {prev.name} produces "
+                f"{prev.trailer.target_fingerprint}; give the patches in the order they were made",
+                path=nxt.name,
+                expected=nxt.header.base_fingerprint,
+                actual=prev.trailer.target_fingerprint,
+            )
+    input_bytes = sum(i.size or 0 for i in infos)
+    out = Path(out)
+    if base is not None:
+        return _squash_with_base(patches, out, Path(base), force, options, infos, input_bytes)
+    block_bytes = {i.header.block_bytes for i in infos}
+    if len(block_bytes) != 1:
+        raise UsageError("the patches use different block sizes; squash them with --base")
+    level = (options or DiffOptions()).level
+    with contextlib.ExitStack() as stack:
+        streams = [stack.enter_context(open(p, "rb")) for p in patches]
+        header, trailer_items = _compose_header(infos)
+        with atomic_file(out, force) as f:
+            writer = PatchWriter(f, header.to_json())
+            results: list[ItemResult] = []
+            for index, (item, chain) in enumerate(trailer_items):
+                start = writer.offset
+                nblocks = blocks_in(item.nbytes, header.block_bytes)
+                writer.begin_frame(index, nblocks)
+                changed = 0
+                frames = [_read_frame(streams[p], infos[p], i) for p, i in chain]
+                for b in range(nblocks):
+                    size = min(header.block_bytes, item.nbytes - b * header.block_bytes)
+                    enc = _compose_block(
+                        [blocks[b] for blocks in frames], item, size, level, infos[-1].name
+                    )
+                    writer.add_block(enc.codec, enc.payload)
+                    changed += enc.changed
+                last = infos[-1].trailer.items[index]
+                results.append(ItemResult(last.fingerprint, changed, writer.offset - start))
+            last_trailer = infos[-1].trailer
+            writer.finish(
+                PatchTrailer(
+                    last_trailer.target_fingerprint, last_trailer.target_files, tuple(results), ()
+                ).to_json()
+            )
+            size = writer.offset
+    return SquashSummary(
+        len(patches),
+        input_bytes,
+        size,
+        infos[0].header.base_fingerprint,
+        infos[-1].trailer.target_fingerprint,
+    )
+
+
+def _compose_header(
+    infos: list[PatchInfo],
+) -> tuple[PatchHeader, list[tuple[Item, list[tuple[int, int]]]]]:
+    """The squashed header, and per final item the (patch, item) frames to fold, oldest first.
+
+    A later patch refers to an earlier patch's output by tensor name, or by path for a blob.
+    """
+    first, last = infos[0].header, infos[-1].header
+    lookups = [
+        {_key(info.header, item): i for i, item in enumerate(info.header.items)} for info in infos
+    ]
+    items: list[Item] = []
+    chains: list[list[tuple[int, int]]] = []
+    for index, item in enumerate(last.items):
+        p, current = len(infos) - 1, item
+        chain = [(p, index)]
+        while current.base_file is not None and p > 0:
+            base_path = infos[p].header.base_files[current.base_file].path
+            key = ("", current.base_name) if current.base_name is not None else (base_path, None)
+            found = lookups[p - 1].get(key)
+            if found is None:
+                raise IntegrityError(
+                    f"{infos[p].name}: item {current.label!r} has no source in {infos[p - 1].name}"
+                )
+            p -= 1
+            current = infos[p].header.items[found]
+            chain.append((p, found))
+        chain.reverse()
+        origin = (
+            current if current.base_file is not None else None
+        )  # a base item of the first patch
+        items.append(
+            Item(
+                item.file,
+                item.name,
+                item.start,
+                item.nbytes,
+                item.word,
+                origin.base_file if origin else None,
+                origin.base_name if origin else None,
+                origin.base_fingerprint if origin else None,
+            )
+        )
+        chains.append(chain)
+    header = PatchHeader(
+        layout=last.layout,
+        block_bytes=last.block_bytes,
+        writer=f"pulsectl {__version__}",
+        base_fingerprint=first.base_fingerprint,
+        base_files=first.base_files,
+        files=last.files,
+        items=tuple(items),
+    )
+    return header, list(zip(items, chains, strict=True))
+
+
+def _key(header: PatchHeader, item: Item) -> tuple[str, str | None]:
+    return ("", item.name) if item.name is not None else (header.files[item.file].path, None)
+
+
+def _read_frame(stream: BinaryIO, info: PatchInfo, index: int) -> list[Block]:
+    """The blocks of frame ``index`` of a seekable patch (block checksums verified)."""
+    header = info.header
+    item = header.items[index]
+    nblocks = blocks_in(item.nbytes, header.block_bytes)
+    reader = PatchReader.at_frame(stream, info.name, info.trailer.frames[index])
+    reader.read_frame(index, nblocks)
+    return [
+        reader.read_block(header.block_bytes + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
+        for _ in range(nblocks)
+    ]
+
+
+def _compose_block(
+    blocks: list[Block], item: Item, size: int, level: int, name: str
+) -> EncodedBlock:
+    """Fold one block's codecs across the chain into a single block."""
+    word = item.word
+    utype = _UINT[word]
+    raw: np.ndarray | None = None  # the block's bytes, once a link stored them whole
+    positions = np.empty(0, dtype=np.int64)  # else: moves relative to the origin
+    moves = np.empty(0, dtype=utype)
+    for block in blocks:
+        if block.codec == CODEC_COPY:
+            continue
+        if block.codec in (CODEC_STORE, CODEC_ZSTD):
+            raw = decode_block(block.codec, block.payload, None, size, word).copy()
+            positions, moves = positions[:0], moves[:0]
+        elif block.codec == CODEC_CONTEXT:
+            if raw is None:
+                raise UsageError(
+                    f"{name}: the chain has --level max blocks, which need the base to decode; "
+                    "squash with --base CKPT"
+                )
+            raw = decode_block(block.codec, block.payload, raw, size, word).copy()
+        elif block.codec == CODEC_DELTA:
+            pos, mv = decode_moves(block.payload, word, size // word)
+            if raw is not None:
+                raw = decode_block(block.codec, block.payload, raw, size, word).copy()
+            else:
+                positions, moves = _add_moves(positions, moves, pos, mv.astype(utype))
+        else:
+            decode_block(block.codec, block.payload, raw, size, word)  # raises: unknown codec
+    if raw is not None:
+        # The base bytes are unknown here: a block stored whole counts every word as changed.
+        return dataclasses.replace(encode_block(None, raw, word, level), changed=size // word)
+    if positions.size == 0:
+        if item.base_file is None:
+            raise IntegrityError(f"{name}: item {item.label!r} has no base and no bytes")
+        return EncodedBlock(CODEC_COPY, b"", 0)
+    payload = encode_moves(positions, moves, word, level)
+    if len(payload) >= size:
+        raise UsageError(f"{name}: a squashed block is denser than storing it; use --base")
+    return EncodedBlock(CODEC_DELTA, payload, int(positions.size))
+
+
+def _add_moves(
+    pos_a: np.ndarray, mv_a: np.ndarray, pos_b: np.ndarray, mv_b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum two sparse move sets (modulo the word size); drop words that moved back."""
+    positions = np.concatenate([pos_a, pos_b])
+    moves = np.concatenate([mv_a, mv_b])
+    unique, inverse = np.unique(positions, return_inverse=True)
+    total = np.zeros(unique.size, dtype=moves.dtype)
+    np.add.at(total, inverse, moves)
+    keep = total != 0
+    return unique[keep], total[keep]
+
+
+def _squash_with_base(
+    patches: Sequence[str | Path],
+    out: Path,
+    base: Path,
+    force: bool,
+    options: DiffOptions | None,
+    infos: list,
+    input_bytes: int,
+) -> SquashSummary:
+    from pulsectl.apply import apply_patches
+    from pulsectl.diff import diff_to_path
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pulsectl-squash-", dir=out.parent) as tmp:
+        target = Path(tmp) / "target"
+        apply_patches(base, list(patches), target)
+        summary = diff_to_path(base, target, out, force=force, options=options)
+    return SquashSummary(
+        len(patches),
+        input_bytes,
+        summary.patch_bytes,
+        summary.base_fingerprint,
+        summary.target_fingerprint,
+    )

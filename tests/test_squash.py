@@ -1,0 +1,113 @@
+"""squash: one patch equal to a chain, smaller than the sum."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pulsectl.apply import apply_patches
+from pulsectl.cli.app import main
+from pulsectl.diff import DiffOptions, diff_to_path
+from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.info import read_patch_info
+from pulsectl.squash import squash_patches
+from pulsectl.synth import generate_chain
+
+FAST = DiffOptions(level=3, workers=1)
+MAX = DiffOptions(level=19, context=True, workers=1)
+
+
+def _chain(tmp_path: Path, steps: int = 4, shards: int | None = None, **kw) -> list[Path]:
+    return generate_chain(
+        tmp_path / "chain", shape="tiny", steps=steps, lr=1e-5, seed=3, shards=shards, **kw
+    )
+
+
+def _patches(tmp_path: Path, chain: list[Path], options: DiffOptions) -> list[Path]:
+    out = []
+    for i, (a, b) in enumerate(zip(chain, chain[1:], strict=False)):
+        p = tmp_path / f"p{i}.pulse"
+        diff_to_path(a, b, p, options=options)
+        out.append(p)
+    return out
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("shards", [None, 2])
+def test_squash_equals_the_chain_and_is_smaller(tmp_path: Path, shards):
+    chain = _chain(tmp_path, shards=shards)
+    patches = _patches(tmp_path, chain, FAST)
+    squashed = tmp_path / "all.pulse"
+    summary = squash_patches(patches, squashed)
+    apply_patches(chain[0], [squashed], tmp_path / "out")
+    assert _tree(tmp_path / "out") == _tree(chain[-1])
+    assert summary.patch_bytes < summary.input_bytes
+    info = read_patch_info(squashed, check=True)
+    assert info.header.base_fingerprint == read_patch_info(patches[0]).header.base_fingerprint
+    assert (
+        info.trailer.target_fingerprint == read_patch_info(patches[-1]).trailer.target_fingerprint
+    )
+    # The squashed change counts are against the first base, exact except where a link stored
+    # a block whole (then squash cannot know the base words and counts every word).
+    direct = tmp_path / "direct.pulse"
+    diff_to_path(chain[0], chain[-1], direct, options=FAST)
+    exact = read_patch_info(direct).to_json()["tensors"]
+    for got, want in zip(info.to_json()["tensors"], exact, strict=True):
+        assert got["changed_words"] in (want["changed_words"], got["words"])
+    assert (
+        sum(
+            t["changed_words"] == w["changed_words"]
+            for t, w in zip(info.to_json()["tensors"], exact, strict=True)
+        )
+        > len(exact) // 2
+    )
+
+
+def test_moves_that_cancel_drop_out(tmp_path: Path):
+    chain = _chain(tmp_path, steps=1)
+    patches = _patches(tmp_path, [chain[0], chain[1], chain[0]], FAST)  # there and back
+    squashed = tmp_path / "zero.pulse"
+    squash_patches(patches, squashed)
+    tensors = read_patch_info(squashed).to_json()["tensors"]
+    # delta-coded tensors cancel to nothing; a tensor a link stored whole counts every word
+    assert all(t["changed_words"] in (0, t["words"]) for t in tensors)
+    assert sum(t["changed_words"] == 0 for t in tensors) > len(tensors) // 2
+    apply_patches(chain[0], [squashed], tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == chain[0].read_bytes()
+
+
+def test_max_level_chains_need_the_base(tmp_path: Path):
+    chain = _chain(tmp_path, steps=3)
+    patches = _patches(tmp_path, chain, MAX)
+    with pytest.raises(UsageError, match="--base"):
+        squash_patches(patches, tmp_path / "x.pulse")
+    assert not (tmp_path / "x.pulse").exists()
+    squash_patches(patches, tmp_path / "y.pulse", base=chain[0], options=MAX)
+    apply_patches(chain[0], [tmp_path / "y.pulse"], tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == chain[-1].read_bytes()
+
+
+def test_out_of_order_chain_is_refused(tmp_path: Path):
+    chain = _chain(tmp_path, steps=2)
+    p0, p1 = _patches(tmp_path, chain, FAST)
+    with pytest.raises(IntegrityError, match="out of order"):
+        squash_patches([p1, p0], tmp_path / "x.pulse")
+
+
+def test_cli_squash(tmp_path: Path, capsys):
+    chain = _chain(tmp_path, steps=3)
+    patches = _patches(tmp_path, chain, FAST)
+    out = tmp_path / "s.pulse"
+    assert main(["squash", *map(str, patches), "-o", str(out)]) == 0
+    assert "squashed 3 patches" in capsys.readouterr().err
+    assert main(["squash", *map(str, patches), "-o", str(out)]) == 1  # exists, no -f
+    assert main(["apply", str(chain[0]), str(out), "-o", str(tmp_path / "o.safetensors")]) == 0
+    assert (tmp_path / "o.safetensors").read_bytes() == chain[-1].read_bytes()
