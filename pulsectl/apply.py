@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from pulsectl.patch import (
     FileRef,
     PatchHeader,
     PatchTrailer,
+    TargetFile,
     header_from_json,
     trailer_from_json,
 )
@@ -134,7 +135,9 @@ def apply_patches(
             )
         refs = file_refs(current)
         current_fp = fingerprint_of(current, refs)
-        if current_fp != first_header.base_fingerprint:
+        if first_header.scope == "tensors":
+            _check_block_base(first_header, current, base_path, first.name)
+        elif current_fp != first_header.base_fingerprint:
             raise _wrong_base(first_header, current, refs, base_path, first.name)
         _check_space(out_path, first_header.target_bytes)
 
@@ -143,7 +146,10 @@ def apply_patches(
             for i, (maybe_reader, source) in enumerate(opened):
                 reader = maybe_reader or open_patch(source, stdin)[0]
                 header = first_header if i == 0 else read_header(reader)
-                if header.base_fingerprint != current_fp or [
+                if header.scope == "tensors":
+                    if i > 0:
+                        _check_block_base(header, current, base_path, reader.name)
+                elif header.base_fingerprint != current_fp or [
                     (r.path, r.size, r.fingerprint) for r in header.base_files
                 ] != [(r.path, r.size, r.fingerprint) for r in refs]:
                     raise IntegrityError(
@@ -181,6 +187,8 @@ def _check_chain(opened: list[tuple[PatchReader | None, PatchSource]]) -> None:
     for (prev, _), (nxt, _) in zip(opened, opened[1:], strict=False):
         if prev is None or nxt is None:
             continue
+        if "scope" in prev.header or "scope" in nxt.header:
+            continue  # block patches bind tensors, not checkpoints: checked tensor by tensor
         stream = prev._stream  # noqa: SLF001 - a file we opened ourselves
         if not stream.seekable():
             continue
@@ -268,8 +276,34 @@ def _apply_one(
 
         results = ordered_map(tasks(), workers)
         computed_files: list[FileRef] = []
+        item_fps: list[str] = []  # block patches: each patched tensor's fingerprint
         done = 0
         item_index = 0
+
+        def next_item_is(file_index: int, name: str | None = None) -> bool:
+            if item_index >= len(header.items):
+                return False
+            item = header.items[item_index]
+            return item.file == file_index and (name is None or item.name == name)
+
+        def write_item(f: BinaryIO, whole: Any) -> int:
+            nonlocal item_index, done
+            item = header.items[item_index]
+            h = new_hasher() if header.scope == "tensors" else None
+            for _ in range(blocks_in(item.nbytes, bb)):
+                data = next(results)
+                f.write(memoryview(data))
+                whole.update(data)
+                if h is not None:
+                    h.update(data)
+                done += data.size
+                if progress is not None:
+                    progress(done, total)
+            if h is not None:
+                item_fps.append(h.hexdigest())
+            item_index += 1
+            return item.nbytes
+
         if header.layout == "dir":
             dest.mkdir()
         for file_index, tfile in enumerate(header.files):
@@ -286,20 +320,19 @@ def _apply_one(
                         f.write(prefix)
                         whole.update(prefix)
                         written += len(prefix)
-                    while (
-                        item_index < len(header.items)
-                        and header.items[item_index].file == file_index
-                    ):
-                        item = header.items[item_index]
-                        for _ in range(blocks_in(item.nbytes, bb)):
-                            data = next(results)
-                            f.write(memoryview(data))
-                            whole.update(data)
-                            written += data.size
-                            done += data.size
-                            if progress is not None:
-                                progress(done, total)
-                        item_index += 1
+                    if header.scope == "tensors":
+                        # A block patch: its tensors decoded, every other byte copied from BASE.
+                        for name, offset, size in _spans(tfile, base, file_index):
+                            if name is not None and next_item_is(file_index, name):
+                                written += write_item(f, whole)
+                                continue
+                            for data in _copy_chunks(base_fds, file_index, offset, size):
+                                f.write(memoryview(data))
+                                whole.update(data)
+                                written += data.size
+                    else:
+                        while next_item_is(file_index):
+                            written += write_item(f, whole)
                     f.flush()
                     if durable:
                         os.fsync(f.fileno())
@@ -314,11 +347,86 @@ def _apply_one(
     target_fp = checkpoint_fingerprint(
         header.layout, ((r.path, r.size, r.fingerprint) for r in computed_files)
     )
+    if header.scope == "tensors":
+        # The rest of the checkpoint is BASE's: only the patched tensors can be checked.
+        for item, got, want in zip(header.items, item_fps, trailer.items, strict=True):
+            if got != want.fingerprint:
+                raise IntegrityError(
+                    f"{reader.name}: tensor {item.label!r} came out with fingerprint {got}, "
+                    f"the patch says {want.fingerprint}; the output was discarded",
+                    path=reader.name,
+                    tensor=item.name,
+                    expected=want.fingerprint,
+                    actual=got,
+                )
+        return computed_files, target_fp
     if [(r.path, r.size, r.fingerprint) for r in computed_files] != [
         (r.path, r.size, r.fingerprint) for r in trailer.target_files
     ] or target_fp != trailer.target_fingerprint:
         raise _wrong_output(reader.name, header, trailer, dest, target_fp)
     return computed_files, target_fp
+
+
+def _check_block_base(header: PatchHeader, base: Checkpoint, base_path: Path, patch: str) -> None:
+    """A block patch applies when BASE has its layout and every tensor it reads is as expected."""
+    hint = "apply the patch to the checkpoint it was made from"
+    same = [e.relpath for e in base.files] == [f.path for f in header.files] and all(
+        (e.header.raw if e.header else None) == (f.header.raw if f.header else None)
+        for e, f in zip(base.files, header.files, strict=True)
+    )
+    if not same:
+        raise IntegrityError(
+            f"{base_path}: wrong base for {patch}: its files or tensor layout differ from the "
+            f"block patch's; {hint}",
+            path=str(base_path),
+        )
+    with FileSource(base) as source:
+        for item in header.items:
+            assert item.base_file is not None and item.base_name is not None
+            found = base.find_tensor(item.base_name)
+            assert found is not None
+            info = found[1]
+            h = new_hasher()
+            for off in range(0, info.nbytes, _HASH_CHUNK):
+                h.update(
+                    source.read(
+                        item.base_file, info.start + off, min(_HASH_CHUNK, info.nbytes - off)
+                    )
+                )
+            have = h.hexdigest()
+            if have != item.base_fingerprint:
+                raise IntegrityError(
+                    f"{base_path}: wrong base for {patch}: tensor {item.base_name!r} has "
+                    f"fingerprint {have}, the block patch expects {item.base_fingerprint} (stale "
+                    f"or already applied?); {hint}",
+                    path=str(base_path),
+                    tensor=item.base_name,
+                    expected=item.base_fingerprint,
+                    actual=have,
+                )
+
+
+_HASH_CHUNK = 16 * 1024 * 1024
+
+
+def _spans(
+    tfile: TargetFile, base: Checkpoint, file_index: int
+) -> list[tuple[str | None, int, int]]:
+    """(tensor name, offset in BASE's file, size) of each tensor of a file, in file order.
+
+    A block patch leaves the layout as it is, so these are also the offsets in the output.
+    """
+    entry = base.files[file_index]
+    if tfile.header is None:
+        return [(None, 0, entry.size)]
+    return [(t.name, t.start, t.nbytes) for t in tfile.header.tensors]
+
+
+def _copy_chunks(
+    source: FileSource, file_index: int, offset: int, nbytes: int
+) -> Iterator[np.ndarray]:
+    for off in range(0, nbytes, _HASH_CHUNK):
+        yield source.read(file_index, offset + off, min(_HASH_CHUNK, nbytes - off))
 
 
 def _output_path(dest: Path, layout: str, relpath: str) -> Path:

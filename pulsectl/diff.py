@@ -8,11 +8,12 @@ Checkpoint(old) + Checkpoint(new) -> items (tensors and blobs, target order)
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 import numpy as np
 
@@ -40,6 +41,20 @@ Progress = Callable[[int, int], None]
 class DiffOptions:
     level: int = DEFAULT_LEVEL  # zstd level of the planes
     context: bool = False  # also try the context codec (slower, smaller): `--level max`
+    # A block patch: only the tensors matching one of ``tensors`` (fnmatch globs; all when
+    # empty) and none of ``exclude``. It needs OLD and NEW to have the same files and headers.
+    tensors: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def selecting(self) -> bool:
+        return bool(self.tensors or self.exclude)
+
+    def selects(self, name: str) -> bool:
+        return (not self.tensors or any(fnmatch.fnmatchcase(name, g) for g in self.tensors)) and (
+            not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
+        )
+
     block_bytes: int = DEFAULT_BLOCK_BYTES
     workers: int = field(default_factory=default_workers)
 
@@ -155,6 +170,13 @@ def _diff_sources(
             else:
                 items.append(Item(fi, t.name, t.start, t.nbytes, word, None, None, None))
 
+    scope: Literal["checkpoint", "tensors"] = "checkpoint"
+    if options.selecting:
+        _require_same_layout(base, target, old, new)
+        items = [i for i in items if i.name is not None and options.selects(i.name)]
+        if not items:
+            raise UsageError("no tensor matches --tensors/--exclude; nothing to patch")
+        scope = "tensors"
     header = PatchHeader(
         layout=target.layout,
         block_bytes=options.block_bytes,
@@ -163,8 +185,31 @@ def _diff_sources(
         base_files=tuple(base_refs),
         files=tuple(files),
         items=tuple(items),
+        scope=scope,
     )
     return _write_patch(header, base, target, out, options, progress)
+
+
+def _require_same_layout(base: Source, target: Source, old: object, new: object) -> None:
+    """Block patches keep every file and header of the base: check that NEW has them too."""
+    same = [e.relpath for e in base.files] == [e.relpath for e in target.files] and all(
+        (a.header.raw if a.header else a.size) == (b.header.raw if b.header else b.size)
+        for a, b in zip(base.files, target.files, strict=True)
+    )
+    if not same:
+        raise UsageError(
+            f"{old} and {new} differ in their files or tensor layout (tensors added, removed, "
+            "reshaped or re-typed); a block patch (--tensors/--exclude/--blocks) needs the same "
+            "layout: make a full patch instead"
+        )
+    for index, entry in enumerate(target.files):
+        if entry.header is None and (
+            scan(base, index)[0].fingerprint != scan(target, index)[0].fingerprint
+        ):
+            raise UsageError(
+                f"{entry.relpath} differs between {old} and {new}; block patches carry tensors "
+                "only: make a full patch instead"
+            )
 
 
 def _write_patch(
@@ -224,6 +269,9 @@ def _write_patch(
             item_results.append(ItemResult(h.hexdigest(), changed, writer.offset - start))
             pending = next(item_iter, None)
         file_refs.append(FileRef(tfile.path, tfile.size, whole.hexdigest()))
+    if header.scope == "tensors":
+        # The frames hold only some tensors: fingerprint NEW's files whole (a second pass).
+        file_refs = [scan(target, i)[0] for i in range(len(header.files))]
     target_fp = checkpoint_fingerprint(
         header.layout, ((r.path, r.size, r.fingerprint) for r in file_refs)
     )

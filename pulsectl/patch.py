@@ -87,9 +87,15 @@ class PatchHeader:
     base_files: tuple[FileRef, ...]
     files: tuple[TargetFile, ...]
     items: tuple[Item, ...]
+    # "checkpoint": the patch turns the whole base into the whole target. "tensors" (a block
+    # patch): it replaces only its items' tensors, each bound by its own base fingerprint, in a
+    # checkpoint whose files and headers stay as they are.
+    scope: Literal["checkpoint", "tensors"] = "checkpoint"
 
     def to_json(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"scope": self.scope} if self.scope != "checkpoint" else {}
         return {
+            **extra,
             "layout": self.layout,
             "block_bytes": self.block_bytes,
             "writer": self.writer,
@@ -147,6 +153,7 @@ def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
     _check_paths(v, [f.path for f in base_files], layout)
     files = tuple(_target_file(v, f, name) for f in v.list_(obj, "files"))
     _check_paths(v, [f.path for f in files], layout)
+    scope = v.choice(obj, "scope", ("checkpoint", "tensors")) if "scope" in obj else "checkpoint"
     raw_items = v.list_(obj, "items")
     expected = [
         (i, t.name, t.start, t.nbytes, t.dtype)
@@ -173,6 +180,9 @@ def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
             start = 0
         else:
             exp = next(expected_iter, None)
+            if scope == "tensors":  # a block patch names a subsequence of the tensors
+                while exp is not None and (exp[0], exp[1]) != (file_index, item_name):
+                    exp = next(expected_iter, None)
             if exp is None or exp[0] != file_index or exp[1] != item_name or exp[3] != nbytes:
                 v.fail(f"item {item_name!r} does not match the target safetensors header")
             if word != DTYPES[exp[4]].word:
@@ -195,14 +205,18 @@ def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
         items.append(
             Item(file_index, item_name, start, nbytes, word, base_file, base_name, base_item_fp)
         )
-    if next(expected_iter, None) is not None:
-        v.fail("the items do not cover every tensor of the target files")
-    blob_items = sum(1 for i in items if i.name is None)
-    if blob_items != sum(1 for f in files if f.header is None):
-        v.fail("the items do not cover every blob of the target files")
+    if scope == "tensors":
+        if not items or any(i.name is None or i.base_file is None for i in items):
+            v.fail("a block patch names one or more tensors, each with its base")
+    else:
+        if next(expected_iter, None) is not None:
+            v.fail("the items do not cover every tensor of the target files")
+        blob_items = sum(1 for i in items if i.name is None)
+        if blob_items != sum(1 for f in files if f.header is None):
+            v.fail("the items do not cover every blob of the target files")
     if [i.file for i in items] != sorted(i.file for i in items):
         v.fail("items are not in file order")
-    return PatchHeader(layout, block_bytes, writer, base_fp, base_files, files, tuple(items))
+    return PatchHeader(layout, block_bytes, writer, base_fp, base_files, files, tuple(items), scope)
 
 
 def trailer_from_json(obj: dict[str, Any], header: PatchHeader, name: str) -> PatchTrailer:

@@ -44,6 +44,29 @@ def diff(
         ),
     ] = str(DEFAULT_LEVEL),
     workers: Workers = None,
+    tensors: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tensors",
+            metavar="GLOB",
+            help="A block patch of only the tensors matching GLOB (repeatable). It binds only "
+            "those tensors and applies on its own; OLD and NEW must have the same layout.",
+        ),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option("--exclude", metavar="GLOB", help="Leave out tensors matching GLOB."),
+    ] = None,
+    blocks: Annotated[
+        int | None,
+        typer.Option(
+            "--blocks",
+            metavar="N",
+            min=1,
+            help="Split by layer into N block patches plus one for the other tensors: "
+            "-o step.pulse writes step.block0.pulse ... step.rest.pulse.",
+        ),
+    ] = None,
     as_dtype: Annotated[
         str | None,
         typer.Option(
@@ -54,21 +77,56 @@ def diff(
     ] = None,
 ) -> None:
     """Write the patch that turns OLD into NEW (byte for byte)."""
+    import dataclasses
+
     from pulsectl._io import default_workers
-    from pulsectl.diff import diff_checkpoints, diff_to_path
 
     out: Output = ctx.obj
     options = parse_level(level, workers or default_workers())
+    options = dataclasses.replace(
+        options, tensors=tuple(tensors or ()), exclude=tuple(exclude or ())
+    )
     stdout = output is None or output == "-"
-    if stdout:
+    if blocks is not None:
+        if stdout:
+            raise UsageError("--blocks writes several files: give -o PATCH (not stdout)")
+        if options.selecting:
+            raise UsageError("--blocks chooses the tensors itself; drop --tensors/--exclude")
+    elif stdout:
         binary_stdout()  # refuse a terminal before any work
-    if as_dtype is not None:
-        from pulsectl.cast import cast_temporaries
+    if as_dtype is None:
+        _run(out, old, new, output, options, force, fsync, blocks)
+        return
+    from pulsectl.cast import cast_temporaries
 
-        # Cast both to temporaries beside the output (or in $TMPDIR), diff those, remove them.
-        near = None if output is None or output == "-" else output
-        with cast_temporaries([old, new], to=as_dtype, near=near) as (old, new):
-            return diff(ctx, old, new, output, force, fsync, level, workers, None)
+    # Cast both to temporaries beside the output (or in $TMPDIR), diff those, remove them.
+    with cast_temporaries([old, new], to=as_dtype, near=None if stdout else output) as (a, b):
+        _run(out, a, b, output, options, force, fsync, blocks)
+
+
+def _run(
+    out: Output,
+    old: Path,
+    new: Path,
+    output: str | None,
+    options: DiffOptions,
+    force: bool,
+    fsync: bool,
+    blocks: int | None,
+) -> None:
+    from pulsectl.diff import diff_checkpoints, diff_to_path
+
+    if blocks is not None:
+        from pulsectl.blocks import diff_blocks
+
+        assert output is not None
+        for path, summary in diff_blocks(
+            old, new, Path(output), blocks, force=force, options=options, durable=fsync
+        ):
+            out.info(
+                f"{path}: {summary.changed_words:,} words changed, {summary.patch_bytes:,} bytes"
+            )
+        return
     with out.progress("diff") as progress:
         if output is None or output == "-":
             summary = diff_checkpoints(

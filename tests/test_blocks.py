@@ -1,0 +1,115 @@
+"""Block patches (ParaBlock): independent, order-free, bound tensor by tensor."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from pulsectl.apply import apply_patches
+from pulsectl.blocks import block_groups, diff_blocks
+from pulsectl.cli.app import main
+from pulsectl.diff import DiffOptions, diff_to_path
+from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.info import read_patch_info, verify_checkpoint
+from pulsectl.synth import generate_chain
+
+OPTIONS = DiffOptions(workers=1, block_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("blocks")
+    return generate_chain(root, shape="tiny", steps=2, lr=1e-5, seed=5)
+
+
+def test_blocks_in_every_order_give_the_full_target(tmp_path: Path, chain):
+    old, new = chain[0], chain[1]
+    written = diff_blocks(old, new, tmp_path / "s.pulse", 2, options=OPTIONS)
+    paths = [p for p, _ in written]
+    assert [p.name for p in paths] == ["s.block0.pulse", "s.block1.pulse", "s.rest.pulse"]
+    for order in itertools.permutations(paths):
+        out = tmp_path / "out.safetensors"
+        apply_patches(old, list(order), out, force=True)
+        assert out.read_bytes() == new.read_bytes()
+    # each alone touches only its own tensors
+    alone = tmp_path / "alone.safetensors"
+    apply_patches(old, [paths[0]], alone)
+    verify_checkpoint(alone, patch=paths[0])
+    with pytest.raises(IntegrityError):
+        verify_checkpoint(alone, patch=paths[1])
+    assert read_patch_info(paths[0]).header.scope == "tensors"
+
+
+def test_stale_block_refused_late_block_applied(tmp_path: Path, chain):
+    s0, s1, s2 = chain
+    # block 0 went 0 -> 1 and then 1 -> 2; block 1 only arrives late with its 0 -> 1 update
+    b01 = diff_blocks(s0, s1, tmp_path / "a.pulse", 2, options=OPTIONS)
+    b12 = diff_blocks(s1, s2, tmp_path / "b.pulse", 2, options=OPTIONS)
+    mid = tmp_path / "mid.safetensors"
+    apply_patches(s0, [b01[0][0], b12[0][0]], mid)  # block 0 is at step 2, block 1 at step 0
+    late = tmp_path / "late.safetensors"
+    apply_patches(mid, [b01[1][0]], late)  # its tensors match its base: applied
+    verify_checkpoint(late, patch=b01[1][0])
+    with pytest.raises(IntegrityError, match="stale or already applied"):
+        apply_patches(mid, [b01[0][0]], tmp_path / "stale.safetensors")  # block 0 moved on
+    assert not (tmp_path / "stale.safetensors").exists()
+
+
+def test_tensor_globs(tmp_path: Path, chain):
+    old, new = chain[0], chain[1]
+    p = tmp_path / "mlp.pulse"
+    diff_to_path(old, new, p, options=DiffOptions(tensors=("*.mlp.*",), exclude=("*down*",)))
+    names = [t["name"] for t in read_patch_info(p).to_json()["tensors"]]
+    assert names and all(".mlp." in n and "down" not in n for n in names)
+    with pytest.raises(UsageError, match="no tensor matches"):
+        diff_to_path(old, new, tmp_path / "none.pulse", options=DiffOptions(tensors=("nope*",)))
+
+
+def test_block_patch_needs_same_layout(tmp_path: Path, chain):
+    import numpy as np
+
+    from pulsectl.checkpoint import save_safetensors
+
+    other = tmp_path / "other.safetensors"
+    save_safetensors(other, {"x": ("F32", (2,), np.zeros(2, np.float32))})
+    with pytest.raises(UsageError, match="same layout"):
+        diff_to_path(chain[0], other, tmp_path / "x.pulse", options=DiffOptions(tensors=("*",)))
+
+
+def test_groups_split_layers_contiguously():
+    names = [f"model.layers.{i}.w" for i in range(5)] + ["model.embed.weight"]
+    groups = block_groups(names, 2)
+    assert groups == [
+        ("block0", ["model.layers.0.w", "model.layers.1.w"]),
+        ("block1", ["model.layers.2.w", "model.layers.3.w", "model.layers.4.w"]),
+        ("rest", ["model.embed.weight"]),
+    ]
+
+
+def test_cli_blocks(tmp_path: Path, chain, capsys):
+    out = tmp_path / "c.pulse"
+    assert main(["diff", str(chain[0]), str(chain[1]), "--blocks", "2", "-o", str(out)]) == 0
+    files = sorted(p.name for p in tmp_path.glob("c.*.pulse"))
+    assert files == ["c.block0.pulse", "c.block1.pulse", "c.rest.pulse"]
+    assert main(["diff", str(chain[0]), str(chain[1]), "--blocks", "2", "-o", str(out)]) == 1
+    assert (
+        main(
+            [
+                "diff",
+                str(chain[0]),
+                str(chain[1]),
+                "--tensors",
+                "*.mlp.*",
+                "-o",
+                str(tmp_path / "m.pulse"),
+            ]
+        )
+        == 0
+    )
+    target = tmp_path / "t.safetensors"
+    assert (
+        main(["apply", str(chain[0]), *(str(tmp_path / f) for f in files), "-o", str(target)]) == 0
+    )
+    assert target.read_bytes() == chain[1].read_bytes()
