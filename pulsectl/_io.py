@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from queue import Empty, Queue
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -63,3 +65,61 @@ def ordered_map(
         finally:
             for future in pending:
                 future.cancel()
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def overlapped_map(
+    tasks: Iterable[Callable[[], T]], workers: int, window: int | None = None
+) -> Iterator[T]:
+    """Like ``ordered_map``, with ``tasks`` itself iterated on its own thread.
+
+    For a task stream that does I/O (reading a patch from a pipe or a slow link): reading,
+    decoding on the pool and the caller's writing all run at once, with at most ``window``
+    tasks in flight. An error raised while producing tasks comes out in order, after the
+    results of the tasks before it.
+    """
+    window = window or 2 * workers + 2
+    queue: Queue[Any] = Queue(maxsize=window)
+    stop = threading.Event()
+
+    def produce(pool: ThreadPoolExecutor) -> None:
+        try:
+            for task in tasks:
+                if stop.is_set():
+                    return
+                queue.put(pool.submit(task))
+        except BaseException as exc:  # handed to the consumer, in order
+            queue.put(_Failed(exc))
+        finally:
+            queue.put(_END)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="pulsectl") as pool:
+        producer = threading.Thread(
+            target=produce, args=(pool,), name="pulsectl-reader", daemon=True
+        )
+        producer.start()
+        try:
+            while True:
+                item = queue.get()
+                if item is _END:
+                    break
+                if isinstance(item, _Failed):
+                    raise item.exc
+                yield item.result()
+        finally:
+            stop.set()
+            # Unblock a producer waiting on a full queue; it stops at its next task.
+            while producer.is_alive():
+                try:
+                    item = queue.get(timeout=0.05)
+                except Empty:
+                    continue
+                if isinstance(item, Future):
+                    item.cancel()

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pulsectl._atomic import check_target, install, os_error, remove, temp_path
-from pulsectl._io import default_workers, ordered_map
+from pulsectl._io import default_workers, overlapped_map
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block
 from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, OutputError, UsageError
@@ -143,12 +143,18 @@ def apply_patches(
 
         temps: list[Path] = []
         try:
-            for i, (maybe_reader, source) in enumerate(opened):
+            for batch in _batches(opened, first_header):
+                i = batch[0]
+                maybe_reader, source = opened[i]
                 reader = maybe_reader or open_patch(source, stdin)[0]
                 header = first_header if i == 0 else read_header(reader)
+                parts = [(reader, header)]
                 if header.scope == "tensors":
-                    if i > 0:
-                        _check_block_base(header, current, base_path, reader.name)
+                    # Block patches of disjoint tensors are applied together, in one pass.
+                    parts += [(r, read_header(r)) for r, _ in (opened[j] for j in batch[1:]) if r]
+                    for r, h in parts:
+                        if (r, h) != (first, first_header):
+                            _check_block_base(h, current, base_path, r.name)
                 elif header.base_fingerprint != current_fp or [
                     (r.path, r.size, r.fingerprint) for r in header.base_files
                 ] != [(r.path, r.size, r.fingerprint) for r in refs]:
@@ -164,9 +170,9 @@ def apply_patches(
                     _check_space(out_path, header.target_bytes)
                 dest = temp_path(out_path)
                 temps.append(dest)
-                last = i == len(opened) - 1
-                refs, current_fp = _apply_one(
-                    reader, header, current, dest, workers, progress, durable and last
+                last = batch[-1] == len(opened) - 1
+                refs, current_fp = _apply_parts(
+                    parts, current, dest, workers, progress, durable and last
                 )
                 if len(temps) > 1:
                     remove(temps.pop(0))
@@ -180,6 +186,30 @@ def apply_patches(
                 remove(tmp)
             raise
     return ApplySummary(out_path, current_fp, len(patches), sum(r.size for r in refs))
+
+
+def _batches(
+    opened: list[tuple[PatchReader | None, PatchSource]], first_header: PatchHeader
+) -> list[list[int]]:
+    """Group runs of block patches (same layout, disjoint tensors) to apply in one pass."""
+    batches: list[list[int]] = []
+    names: set[str] = set()
+    files: Any = None
+    for i, (reader, _) in enumerate(opened):
+        header = first_header if i == 0 else (read_header(reader) if reader else None)
+        if header is None or header.scope != "tensors":
+            batches.append([i])
+            files = None
+            continue
+        mine = {item.name or "" for item in header.items}
+        layout = [(f.path, f.header.raw if f.header else f.size) for f in header.files]
+        if files is not None and layout == files and not (mine & names):
+            batches[-1].append(i)
+            names |= mine
+        else:
+            batches.append([i])
+            names, files = mine, layout
+    return batches
 
 
 def _check_chain(opened: list[tuple[PatchReader | None, PatchSource]]) -> None:
@@ -225,12 +255,45 @@ def _apply_one(
 
     Returns the written files' refs and the target's fingerprint.
     """
-    bb = header.block_bytes
+    return _apply_parts([(reader, header)], base, dest, workers, progress, durable)
+
+
+def _apply_parts(
+    parts: list[tuple[PatchReader, PatchHeader]],
+    base: Checkpoint,
+    dest: Path,
+    workers: int,
+    progress: Progress | None,
+    durable: bool = False,
+) -> tuple[list[FileRef], str]:
+    """Write ``dest`` in one pass from one full patch, or from block patches of disjoint tensors.
+
+    Block patches are read side by side, each front to back, taking each tensor's frame from
+    the patch that has it; every other byte comes from BASE.
+    """
+    first = parts[0][1]
+    partial = first.scope == "tensors"
+    bb = first.block_bytes
+    owner: dict[str, tuple[int, int]] = {}  # block patches: tensor name -> (part, item index)
+    if partial:
+        for p, (_, h) in enumerate(parts):
+            for i, item in enumerate(h.items):
+                owner[item.name or ""] = (p, i)
+        schedule = [
+            owner[t.name]
+            for f in first.files
+            if f.header is not None
+            for t in f.header.tensors
+            if t.name in owner
+        ]
+    else:
+        schedule = [(0, i) for i in range(len(first.items))]
     base_tensors: list[dict[str, TensorInfo]] = [
         {t.name: t for t in e.header.tensors} if e.header is not None else {} for e in base.files
     ]
 
-    def base_start(index: int) -> int | None:
+    def base_start(p: int, index: int) -> int | None:
+        reader, header = parts[p]
         item = header.items[index]
         if item.base_file is None:
             return None
@@ -250,14 +313,16 @@ def _apply_one(
             )
         return start
 
-    total = header.target_bytes
+    total = first.target_bytes
     with FileSource(base) as base_fds:
 
         def tasks() -> Iterator[Callable[[], np.ndarray]]:
-            for index, item in enumerate(header.items):
+            for p, index in schedule:
+                reader, header = parts[p]
+                item = header.items[index]
                 nblocks = blocks_in(item.nbytes, bb)
                 reader.read_frame(index, nblocks)
-                start = base_start(index)
+                start = base_start(p, index)
                 for b in range(nblocks):
                     size = min(bb, item.nbytes - b * bb)
                     where = f"tensor {item.label!r} block {b}"
@@ -274,22 +339,18 @@ def _apply_one(
                         item.name,
                     )
 
-        results = ordered_map(tasks(), workers)
+        # Reading the patch (often a pipe), decoding and writing overlap (ParaBlock).
+        results = overlapped_map(tasks(), workers)
         computed_files: list[FileRef] = []
-        item_fps: list[str] = []  # block patches: each patched tensor's fingerprint
+        item_fps: dict[tuple[int, int], str] = {}  # block patches: each tensor's fingerprint
         done = 0
-        item_index = 0
-
-        def next_item_is(file_index: int, name: str | None = None) -> bool:
-            if item_index >= len(header.items):
-                return False
-            item = header.items[item_index]
-            return item.file == file_index and (name is None or item.name == name)
+        step = 0  # position in the schedule
 
         def write_item(f: BinaryIO, whole: Any) -> int:
-            nonlocal item_index, done
-            item = header.items[item_index]
-            h = new_hasher() if header.scope == "tensors" else None
+            nonlocal step, done
+            p, index = schedule[step]
+            item = parts[p][1].items[index]
+            h = new_hasher() if partial else None
             for _ in range(blocks_in(item.nbytes, bb)):
                 data = next(results)
                 f.write(memoryview(data))
@@ -300,14 +361,20 @@ def _apply_one(
                 if progress is not None:
                     progress(done, total)
             if h is not None:
-                item_fps.append(h.hexdigest())
-            item_index += 1
+                item_fps[(p, index)] = h.hexdigest()
+            step += 1
             return item.nbytes
 
-        if header.layout == "dir":
+        def next_is_in(file_index: int) -> bool:
+            if step >= len(schedule):
+                return False
+            p, index = schedule[step]
+            return parts[p][1].items[index].file == file_index
+
+        if first.layout == "dir":
             dest.mkdir()
-        for file_index, tfile in enumerate(header.files):
-            path = _output_path(dest, header.layout, tfile.path)
+        for file_index, tfile in enumerate(first.files):
+            path = _output_path(dest, first.layout, tfile.path)
             path.parent.mkdir(parents=True, exist_ok=True)
             # Only whole files are hashed while writing; the per-tensor fingerprints are
             # recomputed from the written file only if a file does not match (to name the tensor).
@@ -320,10 +387,10 @@ def _apply_one(
                         f.write(prefix)
                         whole.update(prefix)
                         written += len(prefix)
-                    if header.scope == "tensors":
-                        # A block patch: its tensors decoded, every other byte copied from BASE.
+                    if partial:
+                        # Block patches: their tensors decoded, every other byte from BASE.
                         for name, offset, size in _spans(tfile, base, file_index):
-                            if name is not None and next_item_is(file_index, name):
+                            if name is not None and name in owner:
                                 written += write_item(f, whole)
                                 continue
                             for data in _copy_chunks(base_fds, file_index, offset, size):
@@ -331,7 +398,7 @@ def _apply_one(
                                 whole.update(data)
                                 written += data.size
                     else:
-                        while next_item_is(file_index):
+                        while next_is_in(file_index):
                             written += write_item(f, whole)
                     f.flush()
                     if durable:
@@ -340,30 +407,31 @@ def _apply_one(
                 raise os_error(exc, path) from exc
             computed_files.append(FileRef(tfile.path, written, whole.hexdigest()))
         # An item list that ends before the last file's items would leave results unread.
-        if item_index != len(header.items) or next(results, None) is not None:
-            raise CorruptPatchError(f"{reader.name}: items are not in file order")
+        if step != len(schedule) or next(results, None) is not None:
+            raise CorruptPatchError(f"{parts[0][0].name}: items are not in file order")
 
-    trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
     target_fp = checkpoint_fingerprint(
-        header.layout, ((r.path, r.size, r.fingerprint) for r in computed_files)
+        first.layout, ((r.path, r.size, r.fingerprint) for r in computed_files)
     )
-    if header.scope == "tensors":
-        # The rest of the checkpoint is BASE's: only the patched tensors can be checked.
-        for item, got, want in zip(header.items, item_fps, trailer.items, strict=True):
-            if got != want.fingerprint:
-                raise IntegrityError(
-                    f"{reader.name}: tensor {item.label!r} came out with fingerprint {got}, "
-                    f"the patch says {want.fingerprint}; the output was discarded",
-                    path=reader.name,
-                    tensor=item.name,
-                    expected=want.fingerprint,
-                    actual=got,
-                )
-        return computed_files, target_fp
-    if [(r.path, r.size, r.fingerprint) for r in computed_files] != [
-        (r.path, r.size, r.fingerprint) for r in trailer.target_files
-    ] or target_fp != trailer.target_fingerprint:
-        raise _wrong_output(reader.name, header, trailer, dest, target_fp)
+    for p, (reader, header) in enumerate(parts):
+        trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
+        if partial:
+            # The rest of the checkpoint is BASE's: only the patched tensors can be checked.
+            for index, (item, want) in enumerate(zip(header.items, trailer.items, strict=True)):
+                got = item_fps[(p, index)]
+                if got != want.fingerprint:
+                    raise IntegrityError(
+                        f"{reader.name}: tensor {item.label!r} came out with fingerprint {got}, "
+                        f"the patch says {want.fingerprint}; the output was discarded",
+                        path=reader.name,
+                        tensor=item.name,
+                        expected=want.fingerprint,
+                        actual=got,
+                    )
+        elif [(r.path, r.size, r.fingerprint) for r in computed_files] != [
+            (r.path, r.size, r.fingerprint) for r in trailer.target_files
+        ] or target_fp != trailer.target_fingerprint:
+            raise _wrong_output(reader.name, header, trailer, dest, target_fp)
     return computed_files, target_fp
 
 

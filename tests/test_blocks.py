@@ -113,3 +113,13 @@ def test_cli_blocks(tmp_path: Path, chain, capsys):
         main(["apply", str(chain[0]), *(str(tmp_path / f) for f in files), "-o", str(target)]) == 0
     )
     assert target.read_bytes() == chain[1].read_bytes()
+
+
+def test_one_stale_block_in_a_batch_refuses_the_batch(tmp_path: Path, chain):
+    s0, s1, s2 = chain
+    b01 = diff_blocks(s0, s1, tmp_path / "a.pulse", 2, options=OPTIONS)
+    b12 = diff_blocks(s1, s2, tmp_path / "b.pulse", 2, options=OPTIONS)
+    # block 0 of 1 -> 2 does not apply to s0 (its tensors are at step 0): nothing is written
+    with pytest.raises(IntegrityError, match="stale or already applied"):
+        apply_patches(s0, [b01[1][0], b12[0][0]], tmp_path / "x.safetensors")
+    assert not list(tmp_path.glob("*x.safetensors*"))

@@ -1,0 +1,196 @@
+"""ParaBlock benchmark: a patch arriving over a rate-limited link, received then applied
+(sequential) against applied while it streams in (overlapped), and block patches.
+
+    python benchmarks/overlap.py [--size-mb 1024] [--rates 2,5,25,100,400] [--out DIR]
+
+It writes a pair of BF16 checkpoints (N(0, 0.02) weights, ~1% of the words moved by one unit,
+like one RL step), makes the patch, then for each rate R (MB/s) measures:
+
+- transfer: the patch pushed through a pipe at R (a paced writer process), read to a file;
+- compute: `pulsectl apply` from a local file;
+- sequential: transfer, then apply from the file;
+- overlapped: `pulsectl apply BASE -` reading the paced pipe;
+- ideal: max(transfer, compute).
+
+and, once, a chain of block patches (`diff --blocks 4`) against the single patch. Results go
+to stdout as a table and to OUT/overlap.json; docs/BENCHMARKS.md quotes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pulsectl.checkpoint import save_safetensors
+
+PACER = r"""
+import sys, time
+path, rate = sys.argv[1], float(sys.argv[2]) * 1e6
+chunk = 64 * 1024
+out = sys.stdout.buffer
+start = time.perf_counter()
+sent = 0
+with open(path, "rb") as f:
+    while True:
+        data = f.read(chunk)
+        if not data:
+            break
+        out.write(data)
+        out.flush()
+        sent += len(data)
+        delay = start + sent / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+"""
+
+
+def make_pair(root: Path, size_mb: int, seed: int = 0) -> tuple[Path, Path]:
+    """Two single-file checkpoints of 4096-wide BF16 matrices, ~1% of words moved by +-1."""
+    a, b = root / "a.safetensors", root / "b.safetensors"
+    if a.exists() and b.exists():
+        return a, b
+    rng = np.random.default_rng(seed)
+    rows = 4096
+    per_tensor = rows * 4096
+    old: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
+    new: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {}
+    for i in range(max(1, size_mb * 1024 * 1024 // (2 * per_tensor))):
+        w = rng.normal(0, 0.02, per_tensor).astype(np.float32).view(np.uint32)
+        words = ((w + 0x7FFF + ((w >> 16) & 1)) >> 16).astype(np.uint16)
+        moved = words.copy()
+        mask = rng.random(per_tensor) < 0.01
+        moved[mask] += np.where(rng.random(int(mask.sum())) < 0.5, 1, 0xFFFF).astype(np.uint16)
+        name = f"model.layers.{i}.mlp.up_proj.weight"
+        old[name] = ("BF16", (rows, 4096), words)
+        new[name] = ("BF16", (rows, 4096), moved)
+    save_safetensors(a, old)
+    save_safetensors(b, new)
+    return a, b
+
+
+def run(cmd: list[str], **kw) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, **kw)
+    return time.perf_counter() - t0
+
+
+def paced(patch: Path, rate: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", PACER, str(patch), str(rate)], stdout=subprocess.PIPE
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--rates", default="2,5,25,100,400")
+    parser.add_argument(
+        "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-overlap"
+    )
+    parser.add_argument("--repeat", type=int, default=2, help="runs per figure (best is kept)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    pulsectl = shutil.which("pulsectl") or sys.exit("pulsectl is not on PATH (pip install -e .)")
+
+    a, b = make_pair(args.out, args.size_mb)
+    patch = args.out / "p.pulse"
+    run([pulsectl, "-q", "diff", str(a), str(b), "-o", str(patch), "-f"])
+    out = args.out / "out.safetensors"
+    received = args.out / "received.pulse"
+    for f in (a, b, patch):
+        f.read_bytes()  # page cache, as for every run below
+
+    def best(fn) -> float:
+        return min(fn() for _ in range(args.repeat))
+
+    compute = best(lambda: run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"]))
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+
+        def transfer(rate: float = rate) -> float:
+            t0 = time.perf_counter()
+            with paced(patch, rate) as proc, open(received, "wb") as f:
+                shutil.copyfileobj(proc.stdout, f)
+            return time.perf_counter() - t0
+
+        def sequential(rate: float = rate) -> float:
+            t0 = time.perf_counter()
+            with paced(patch, rate) as proc, open(received, "wb") as f:
+                shutil.copyfileobj(proc.stdout, f)
+            run([pulsectl, "-q", "apply", str(a), str(received), "-o", str(out), "-f"])
+            return time.perf_counter() - t0
+
+        def overlapped(rate: float = rate) -> float:
+            t0 = time.perf_counter()
+            with paced(patch, rate) as proc:
+                subprocess.run(
+                    [pulsectl, "-q", "apply", str(a), "-", "-o", str(out), "-f"],
+                    stdin=proc.stdout,
+                    check=True,
+                )
+            return time.perf_counter() - t0
+
+        t, s, o = best(transfer), best(sequential), best(overlapped)
+        assert out.read_bytes() == b.read_bytes()
+        ideal = max(t, compute)
+        rows.append(
+            {
+                "rate_mb_s": rate,
+                "transfer_s": t,
+                "compute_s": compute,
+                "sequential_s": s,
+                "overlapped_s": o,
+                "ideal_s": ideal,
+                "overlapped_over_ideal": o / ideal,
+                "saving_vs_sequential": 1 - o / s,
+            }
+        )
+
+    blocks_prefix = args.out / "blk.pulse"
+    run([pulsectl, "-q", "diff", str(a), str(b), "--blocks", "4", "-o", str(blocks_prefix), "-f"])
+    block_files = sorted(args.out.glob("blk.*.pulse"))
+    one = best(lambda: run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"]))
+    chain = best(
+        lambda: run([pulsectl, "-q", "apply", str(a), *map(str, block_files), "-o", str(out), "-f"])
+    )
+    assert out.read_bytes() == b.read_bytes()
+    result = {
+        "size_bytes": a.stat().st_size,
+        "patch_bytes": patch.stat().st_size,
+        "cores": os.cpu_count(),
+        "rates": rows,
+        "blocks": {
+            "patches": len(block_files),
+            "bytes": sum(f.stat().st_size for f in block_files),
+            "one_patch_apply_s": one,
+            "block_chain_apply_s": chain,
+        },
+    }
+    (args.out / "overlap.json").write_text(json.dumps(result, indent=2))
+    print(f"checkpoint {result['size_bytes']:,} bytes, patch {result['patch_bytes']:,} bytes")
+    heads = ("MB/s", "transfer", "compute", "sequential", "overlapped", "ideal", "ovl/ideal")
+    print(" ".join(f"{h:>10}" for h in heads) + f" {'saved':>6}")
+    for r in rows:
+        keys = ("transfer_s", "compute_s", "sequential_s", "overlapped_s", "ideal_s")
+        cells = [f"{r['rate_mb_s']:>10g}"] + [f"{r[k]:>10.2f}" for k in keys]
+        cells += [f"{r['overlapped_over_ideal']:>10.2f}", f"{r['saving_vs_sequential']:>6.0%}"]
+        print(" ".join(cells))
+    blk = result["blocks"]
+    print(
+        f"blocks: {blk['patches']} patches, {blk['bytes']:,} bytes; apply one patch "
+        f"{blk['one_patch_apply_s']:.2f}s, the block chain {blk['block_chain_apply_s']:.2f}s"
+    )
+    print(f"raw results: {args.out / 'overlap.json'}")
+
+
+if __name__ == "__main__":
+    main()
