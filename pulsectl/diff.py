@@ -45,6 +45,9 @@ class DiffOptions:
     # empty) and none of ``exclude``. It needs OLD and NEW to have the same files and headers.
     tensors: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    # None: numpy on the CPU (no torch import). A torch device name ("cuda", "cuda:1", "cpu"):
+    # changed words are found with torch on that device; the patch bytes are the same.
+    device: str | None = None
 
     @property
     def selecting(self) -> bool:
@@ -236,7 +239,9 @@ def _write_patch(
     def tasks() -> Iterator[Callable[[], tuple[np.ndarray, EncodedBlock]]]:
         for index, item in enumerate(header.items):
             for b in range(blocks_in(item.nbytes, bb)):
-                yield _encode_task(item, b, bb, base, target, options.level, keys[index])
+                yield _encode_task(
+                    item, b, bb, base, target, options.level, keys[index], options.device
+                )
 
     writer = PatchWriter(out, header.to_json())
     results = ordered_map(tasks(), options.workers)
@@ -297,6 +302,7 @@ def _encode_task(
     target: Source,
     level: int,
     key: tuple[int, int] | None,
+    device: str | None = None,
 ) -> Callable[[], tuple[np.ndarray, EncodedBlock]]:
     offset = block * block_bytes
     size = min(block_bytes, item.nbytes - offset)
@@ -311,7 +317,12 @@ def _encode_task(
                 assert found is not None
                 start = found[1].start
             old = base.read(item.base_file, start + offset, size)
-        return new, encode_block(old, new, item.word, level, key)
+        positions = None
+        if device is not None and old is not None:
+            from pulsectl.device import find_changes
+
+            positions = find_changes(old, new, item.word, device)
+        return new, encode_block(old, new, item.word, level, key, positions)
 
     return run
 

@@ -103,9 +103,22 @@ def _histogram_of(magnitudes: np.ndarray) -> Histogram:
     return [int(counts[1]), int(counts[2]), int(counts[3:9].sum()), int(counts[9]), 0]
 
 
-def word_delta_histogram(old: np.ndarray, new: np.ndarray, word: int) -> tuple[int, Histogram]:
-    """Changed words and their delta histogram between two equal-sized uint8 buffers."""
-    positions = find_changes(old, new, word)
+def _changes(old: np.ndarray, new: np.ndarray, word: int, device: str | None) -> np.ndarray:
+    if device is None:
+        return find_changes(old, new, word)
+    from pulsectl.device import find_changes as find_on_device
+
+    return find_on_device(old, new, word, device)
+
+
+def word_delta_histogram(
+    old: np.ndarray, new: np.ndarray, word: int, device: str | None = None
+) -> tuple[int, Histogram]:
+    """Changed words and their delta histogram between two equal-sized uint8 buffers.
+
+    ``device`` (a torch device name) finds the changed words with torch there.
+    """
+    positions = _changes(old, new, word, device)
     if positions.size == 0:
         return 0, _empty_histogram()
     utype = _UINT[word]
@@ -295,6 +308,7 @@ def pair_stats(
     as_dtype: str | None = None,
     measure_patch: bool = True,
     workers: int | None = None,
+    device: str | None = None,
 ) -> UpdateStats:
     """Figures of the update OLD -> NEW (of their casts to ``as_dtype`` when given).
 
@@ -305,7 +319,9 @@ def pair_stats(
     if as_dtype is not None:
         target_dtype(as_dtype)
         with cast_temporaries([old, new], to=as_dtype) as (old_cast, new_cast):
-            stats = pair_stats(old_cast, new_cast, measure_patch=measure_patch, workers=workers)
+            stats = pair_stats(
+                old_cast, new_cast, measure_patch=measure_patch, workers=workers, device=device
+            )
         stats.inputs = inputs
         return stats
     workers = workers or default_workers()
@@ -359,7 +375,7 @@ def pair_stats(
                     size = min(CHUNK_BYTES, info.nbytes - offset)
                     yield _compare_task(
                         index, is_blob, word, target_fds, fi, info.start + offset,
-                        base_fds, bfi, base_start + offset, size,
+                        base_fds, bfi, base_start + offset, size, device,
                     )  # fmt: skip
 
         for index, is_blob, changed, hist in ordered_map(tasks(), workers):
@@ -372,7 +388,7 @@ def pair_stats(
 
     patch_bytes = None
     if measure_patch:
-        patch_bytes = _measure_patch(old, new, tensors, blobs, workers)
+        patch_bytes = _measure_patch(old, new, tensors, blobs, workers, device)
     target_bytes = sum(e.size for e in target.files)
     return UpdateStats("pair", inputs, tensors, blobs, patch_bytes, target_bytes)
 
@@ -388,11 +404,12 @@ def _compare_task(
     bfi: int,
     base_start: int,
     size: int,
+    device: str | None = None,
 ) -> Callable[[], tuple[int, bool, int, Histogram]]:
     def run() -> tuple[int, bool, int, Histogram]:
         new = target_fds.read(fi, start, size)
         old = base_fds.read(bfi, base_start, size)
-        changed, hist = word_delta_histogram(old, new, word)
+        changed, hist = word_delta_histogram(old, new, word, device)
         return index, is_blob, changed, hist
 
     return run
@@ -404,10 +421,11 @@ def _measure_patch(
     tensors: list[TensorStats],
     blobs: list[BlobStats],
     workers: int,
+    device: str | None = None,
 ) -> int:
     with tempfile.TemporaryDirectory(prefix="pulsectl-stats-") as folder:
         path = Path(folder) / "measure.pulse"
-        diff_to_path(old, new, path, options=DiffOptions(workers=workers))
+        diff_to_path(old, new, path, options=DiffOptions(workers=workers, device=device))
         info = read_patch_info(path)
     encoded = {
         (info.header.files[item.file].path, item.name): result.encoded
@@ -538,6 +556,7 @@ def chain_stats(
     *,
     as_dtype: str | None = None,
     workers: int | None = None,
+    device: str | None = None,
 ) -> ChainStats:
     """Changed words of diff(C_i, C_{i+k}) for every k in ``ks`` and every window i.
 
@@ -554,7 +573,7 @@ def chain_stats(
     if as_dtype is not None:
         target_dtype(as_dtype)
         with cast_temporaries(checkpoints, to=as_dtype) as casts:
-            result = chain_stats(casts, ks, workers=workers)
+            result = chain_stats(casts, ks, workers=workers, device=device)
         result.checkpoints, result.as_dtype = names, as_dtype
         return result
     workers = workers or default_workers()
@@ -582,7 +601,7 @@ def chain_stats(
                 most = max(w[1].nbytes // w[1].word for w in where if w is not None)
                 step = CHUNK_BYTES // 8  # words per chunk
                 for w0 in range(0, most, step):
-                    yield _window_task(where, fds, pairs, w0, step)
+                    yield _window_task(where, fds, pairs, w0, step, device)
 
         for counts in ordered_map(tasks(), workers, window=workers + 1):
             for (k, i), count in zip(pairs, counts, strict=True):
@@ -599,6 +618,7 @@ def _window_task(
     pairs: list[tuple[int, int]],
     w0: int,
     step: int,
+    device: str | None = None,
 ) -> Callable[[], list[int]]:
     def run() -> list[int]:
         chunks: list[np.ndarray | None] = []
@@ -627,7 +647,7 @@ def _window_task(
             ):
                 counts.append(new.size // wn[1].word)
             else:
-                counts.append(int(find_changes(old, new, wn[1].word).size))
+                counts.append(int(_changes(old, new, wn[1].word, device).size))
         return counts
 
     return run

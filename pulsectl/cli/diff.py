@@ -44,6 +44,15 @@ def diff(
         ),
     ] = str(DEFAULT_LEVEL),
     workers: Workers = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="auto, cpu or cuda[:N]: where changed words are found (auto: CUDA when torch "
+            "sees a GPU). The result is the same on every device.",
+        ),
+    ] = "auto",
     tensors: Annotated[
         list[str] | None,
         typer.Option(
@@ -80,11 +89,14 @@ def diff(
     import dataclasses
 
     from pulsectl._io import default_workers
+    from pulsectl.device import resolve
 
     out: Output = ctx.obj
-    options = parse_level(level, workers or default_workers())
     options = dataclasses.replace(
-        options, tensors=tuple(tensors or ()), exclude=tuple(exclude or ())
+        parse_level(level, workers or default_workers()),
+        tensors=tuple(tensors or ()),
+        exclude=tuple(exclude or ()),
+        device=resolve(device),
     )
     stdout = output is None or output == "-"
     if blocks is not None:

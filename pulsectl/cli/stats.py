@@ -40,8 +40,18 @@ def stats(
     ] = None,
     top: Annotated[int, typer.Option("--top", help="Tensors listed, most changes first.")] = 10,
     workers: Workers = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="auto, cpu or cuda[:N]: where changed words are found (auto: CUDA when torch "
+            "sees a GPU). The result is the same on every device.",
+        ),
+    ] = "auto",
 ) -> None:
     """Changed words, density, patch size and word-delta histogram, by layer and kind."""
+    from pulsectl.device import resolve
     from pulsectl.stats import chain_stats, pair_stats, parse_ks, patch_stats, plot_stats
 
     out: Output = ctx.obj
@@ -50,10 +60,14 @@ def stats(
             raise UsageError("--as and --k need checkpoints, not a patch")
         doc = patch_stats(inputs[0]).to_json()
     elif len(inputs) == 2 and k is None:
-        doc = pair_stats(inputs[0], inputs[1], as_dtype=as_dtype, workers=workers).to_json()
+        doc = pair_stats(
+            inputs[0], inputs[1], as_dtype=as_dtype, workers=workers, device=resolve(device)
+        ).to_json()
     else:
         ks = parse_ks(k) if k is not None else DEFAULT_KS
-        doc = chain_stats(inputs, ks, as_dtype=as_dtype, workers=workers).to_json()
+        doc = chain_stats(
+            inputs, ks, as_dtype=as_dtype, workers=workers, device=resolve(device)
+        ).to_json()
     if plot is not None:
         plot_stats(doc, plot)
         out.info(f"wrote {plot}")

@@ -44,15 +44,18 @@ def encode_block(
     word: int,
     level: int,
     key: tuple[int, int] | None = None,
+    positions: np.ndarray | None = None,
 ) -> EncodedBlock:
     """Encode ``new`` (uint8) against ``old`` (uint8, same length, or None) in the smallest codec.
 
     ``key`` (the exponent field of the dtype, see ``context.KEYS``) enables the context codec.
+    ``positions``, when given, are the changed words already found (e.g. on a GPU).
     """
     nwords = new.size // word
     if old is None:
         return _smallest_raw(new, level, nwords)
-    positions = delta.find_changes(old, new, word)
+    if positions is None:
+        positions = delta.find_changes(old, new, word)
     if positions.size == 0:
         return EncodedBlock(CODEC_COPY, b"", 0)
     best = EncodedBlock(CODEC_DELTA, delta.encode(old, new, word, positions, level), positions.size)

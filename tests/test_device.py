@@ -1,0 +1,110 @@
+"""--device: the torch change finder gives the same patch and statistics as the numpy path.
+
+CI has no GPU, so the torch path runs on the CPU here; on a CUDA machine the same code runs
+with device="cuda" (benchmarks/gpu.py).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pulsectl.cli.app import main
+from pulsectl.codecs.delta import find_changes
+from pulsectl.device import find_changes as find_on_device
+from pulsectl.device import resolve
+from pulsectl.diff import DiffOptions, diff_checkpoints
+from pulsectl.errors import UsageError
+from pulsectl.stats import chain_stats, pair_stats
+from pulsectl.synth import generate_chain
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> list[Path]:
+    return generate_chain(tmp_path_factory.mktemp("dev"), shape="tiny", steps=2, lr=1e-5, seed=9)
+
+
+@pytest.mark.parametrize("word", [1, 2, 4, 8])
+def test_torch_finder_equals_numpy(word):
+    rng = np.random.default_rng(word)
+    old = rng.integers(0, 256, 4096 * word, dtype=np.uint8)
+    new = old.copy()
+    new[rng.random(new.size) < 0.02] ^= 1
+    assert np.array_equal(find_on_device(old, new, word, "cpu"), find_changes(old, new, word))
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_patch_bytes_identical_across_devices(chain, context):
+    a, b = chain[0], chain[2]
+    outs = []
+    for device in (None, "cpu"):
+        buf = io.BytesIO()
+        diff_checkpoints(a, b, buf, options=DiffOptions(workers=2, context=context, device=device))
+        outs.append(buf.getvalue())
+    assert outs[0] == outs[1]
+
+
+def test_stats_identical_across_devices(chain):
+    assert (
+        pair_stats(chain[0], chain[1]).to_json()
+        == pair_stats(chain[0], chain[1], device="cpu").to_json()
+    )
+    assert (
+        chain_stats(chain, (1, 2)).to_json() == chain_stats(chain, (1, 2), device="cpu").to_json()
+    )
+
+
+def test_resolve():
+    assert resolve("cpu") is None
+    assert resolve("auto") in (None, "cuda")
+    with pytest.raises(UsageError):
+        resolve("tpu")
+
+
+def test_cli_device_flag(chain, tmp_path: Path):
+    assert (
+        main(
+            [
+                "diff",
+                str(chain[0]),
+                str(chain[1]),
+                "--device",
+                "cpu",
+                "-o",
+                str(tmp_path / "a.pulse"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "diff",
+                str(chain[0]),
+                str(chain[1]),
+                "--device",
+                "auto",
+                "-o",
+                str(tmp_path / "b.pulse"),
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "a.pulse").read_bytes() == (tmp_path / "b.pulse").read_bytes()
+    assert (
+        main(
+            [
+                "diff",
+                str(chain[0]),
+                str(chain[1]),
+                "--device",
+                "tpu",
+                "-o",
+                str(tmp_path / "c.pulse"),
+            ]
+        )
+        == 2
+    )
