@@ -321,7 +321,13 @@ def _encode_task(
         if device is not None and old is not None:
             from pulsectl.device import find_changes
 
-            positions = find_changes(old, new, item.word, device)
+            if hasattr(base, "read_device") and hasattr(target, "read_device"):
+                # Live tensors: compare where they are, without a round trip through the host.
+                old_d = base.read_device(item.base_file, start + offset, size)
+                new_d = target.read_device(item.file, item.start + offset, size)
+                positions = find_changes(old_d, new_d, item.word, device)
+            else:
+                positions = find_changes(old, new, item.word, device)
         return new, encode_block(old, new, item.word, level, key, positions)
 
     return run

@@ -112,9 +112,13 @@ class StateDictSource:
         self._by_name = {t.name: t for t in header.tensors}
 
     def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
+        return _to_numpy(self.read_device(file_index, offset, nbytes))
+
+    def read_device(self, file_index: int, offset: int, nbytes: int) -> torch.Tensor:
+        """The same bytes as ``read``, as a uint8 tensor on the tensor's own device."""
         info = self._locate(offset, nbytes)
         lo = offset - info.start
-        return _to_numpy(_tensor_bytes(self._tensors[info.name])[lo : lo + nbytes])
+        return _tensor_bytes(self._tensors[info.name])[lo : lo + nbytes]
 
     def _locate(self, offset: int, nbytes: int) -> TensorInfo:
         import bisect
@@ -145,13 +149,16 @@ def _tensor_bytes_len(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _options(level: Level, workers: int | None) -> DiffOptions:
+def _options(level: Level, workers: int | None, *states: Mapping[str, torch.Tensor]) -> DiffOptions:
+    """Diff options; changed words are found on the tensors' device when it is not the CPU."""
     from pulsectl._names import MAX_PRESET_LEVEL
 
     workers = workers or default_workers()
+    devices = {t.device for state in states for t in state.values()}
+    device = str(devices.pop()) if len(devices) == 1 and devices != {torch.device("cpu")} else None
     if level == "max":
-        return DiffOptions(level=MAX_PRESET_LEVEL, context=True, workers=workers)
-    return DiffOptions(level=int(level), workers=workers)
+        return DiffOptions(level=MAX_PRESET_LEVEL, context=True, workers=workers, device=device)
+    return DiffOptions(level=int(level), workers=workers, device=device)
 
 
 def write_patch(
@@ -169,7 +176,7 @@ def write_patch(
     """
     base = StateDictSource(old, metadata)
     target = StateDictSource(new, metadata)
-    options = _options(level, workers)
+    options = _options(level, workers, old, new)
     if isinstance(out, (str, Path)):
         from pulsectl.diff import diff_to_path
 

@@ -187,3 +187,14 @@ def test_write_patch_to_a_file_object_matches_bytes():
         )
         + 1  # model.step: one I64 word
     )
+
+
+def test_device_path_over_live_tensors_is_byte_identical():
+    from pulsectl.torch_api import StateDictSource
+
+    old, new = _state(), _step(_state(), 6)
+    for context in (False, True):
+        buf = io.BytesIO()
+        options = DiffOptions(workers=2, device="cpu", context=context, level=19 if context else 3)
+        diff_checkpoints(StateDictSource(old), StateDictSource(new), buf, options=options)
+        assert buf.getvalue() == make_patch(old, new, level="max" if context else 3)
