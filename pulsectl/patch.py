@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, cast
 
 from pulsectl._dtypes import DTYPES
 from pulsectl.checkpoint import SafetensorsHeader, parse_header
@@ -216,7 +216,9 @@ def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
             v.fail("the items do not cover every blob of the target files")
     if [i.file for i in items] != sorted(i.file for i in items):
         v.fail("items are not in file order")
-    return PatchHeader(layout, block_bytes, writer, base_fp, base_files, files, tuple(items), scope)
+    return PatchHeader(
+        layout, block_bytes, writer, base_fp, base_files, files, tuple(items), cast(Any, scope)
+    )
 
 
 def trailer_from_json(obj: dict[str, Any], header: PatchHeader, name: str) -> PatchTrailer:
@@ -318,7 +320,7 @@ class _Validator:
         self.name = name
         self.what = what
 
-    def fail(self, message: str) -> Any:
+    def fail(self, message: str) -> NoReturn:
         raise CorruptPatchError(f"{self.name}: {self.what}: {message}", path=self.name)
 
     def get(self, obj: Any, key: str) -> Any:

@@ -35,7 +35,7 @@ from pulsectl.checkpoint import FileEntry, SafetensorsHeader, TensorInfo, build_
 from pulsectl.codecs import decode_block
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, DiffSummary, diff_checkpoints
-from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
+from pulsectl.errors import IntegrityError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
 from pulsectl.hashing import new_hasher
 from pulsectl.patch import header_from_json, trailer_from_json
@@ -91,7 +91,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 class StateDictSource:
     """A state dict as a pulsectl source: the single safetensors file it would be saved as."""
 
-    layout: Literal["file"] = "file"
+    layout: Literal["file", "dir"] = "file"
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
@@ -105,7 +105,9 @@ class StateDictSource:
         data = sum(_tensor_bytes_len(t) for t in tensors.values())
         header = parse_header(raw, 8 + len(raw) + data, "<state dict>")
         self.header: SafetensorsHeader = header
-        self.files = (FileEntry("", Path("<state dict>"), header.file_size, header),)
+        self.files: tuple[FileEntry, ...] = (
+            FileEntry("", Path("<state dict>"), header.file_size, header),
+        )
         self._tensors = dict(tensors)
         self._starts = [t.start for t in header.tensors]
         self._infos = list(header.tensors)
@@ -379,7 +381,7 @@ def apply_patch(
     bb = header.block_bytes
     updates: list[_Update] = []
 
-    def tasks() -> Iterator[Callable[[], np.ndarray]]:
+    def tasks() -> Iterator[Callable[[], tuple[np.ndarray | None, np.ndarray]]]:
         for index, item in enumerate(header.items):
             nblocks = blocks_in(item.nbytes, bb)
             reader.read_frame(index, nblocks)
@@ -403,6 +405,7 @@ def apply_patch(
             if item.base_name is None:
                 words.append(new)
             else:
+                assert old is not None
                 pos = find_changes(old, new, item.word)
                 positions.append(pos + b * bb // item.word)
                 words.append(new.view(_NP_WORD[item.word])[pos])
@@ -456,13 +459,9 @@ def _decode(
 ) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
     def run() -> tuple[np.ndarray | None, np.ndarray]:
         old = None if base is None else _to_numpy(base[offset : offset + size])
-        try:
-            new = decode_block(codec, payload, old, size, word)
-        except CorruptPatchError:
-            raise
-        return old, new
+        return old, decode_block(codec, payload, old, size, word)
 
-    return run  # type: ignore[return-value]
+    return run
 
 
 def _fingerprint_tensor(t: torch.Tensor) -> str:

@@ -26,5 +26,7 @@ def test_trainer_then_worker(tmp_path: Path):
         check=True,
     )
     targets = [line.split()[-1] for line in trainer.stdout.splitlines() if line.startswith("step ")]
-    applied = [line.split()[-1] for line in worker.stdout.splitlines() if line.startswith("applied")]
+    applied = [
+        line.split()[-1] for line in worker.stdout.splitlines() if line.startswith("applied")
+    ]
     assert applied == [t.rstrip(")") for t in targets]

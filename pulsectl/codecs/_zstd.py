@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import zstandard
 
 from pulsectl.errors import CorruptPatchError
 
+if TYPE_CHECKING:
+    import numpy as np
+
 _local = threading.local()
 
 
-def compress(data: bytes | memoryview, level: int) -> bytes:
+def compress(data: bytes | memoryview | np.ndarray, level: int) -> bytes:
     cache = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
     cctx = cache.get(level)
     if cctx is None:
         cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=False)
-    return cctx.compress(data)
+    return cctx.compress(memoryview(data))
 
 
 def decompress(data: bytes | memoryview, size: int) -> bytes:
