@@ -40,6 +40,18 @@ def default_workers() -> int:
     return max(1, min(os.cpu_count() or 1, 16))
 
 
+IN_FLIGHT_BYTES = 512 * 1024 * 1024  # blocks queued or in work at once, across all workers
+
+
+def window_for(workers: int, block_bytes: int) -> int:
+    """Tasks in flight: enough to keep every worker busy, bounded in bytes.
+
+    A task holds a few blocks' worth of memory (base, new, decoded), so 8 MiB blocks on 16
+    workers stay well under a gigabyte, and 256 MiB blocks run two at a time.
+    """
+    return max(2, min(2 * workers + 2, IN_FLIGHT_BYTES // (3 * block_bytes)))
+
+
 def ordered_map(
     tasks: Iterable[Callable[[], T]], workers: int, window: int | None = None
 ) -> Iterator[T]:

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pulsectl._atomic import check_target, install, os_error, remove, temp_path
-from pulsectl._io import default_workers, overlapped_map
+from pulsectl._io import default_workers, overlapped_map, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block
 from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, OutputError, UsageError
@@ -340,7 +340,7 @@ def _apply_parts(
                     )
 
         # Reading the patch (often a pipe), decoding and writing overlap (ParaBlock).
-        results = overlapped_map(tasks(), workers)
+        results = overlapped_map(tasks(), workers, window_for(workers, bb))
         computed_files: list[FileRef] = []
         item_fps: dict[tuple[int, int], str] = {}  # block patches: each tensor's fingerprint
         done = 0

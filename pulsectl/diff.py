@@ -20,7 +20,7 @@ import numpy as np
 from pulsectl import __version__
 from pulsectl._atomic import atomic_file
 from pulsectl._dtypes import DTYPES
-from pulsectl._io import default_workers, ordered_map
+from pulsectl._io import default_workers, ordered_map, window_for
 
 # `--level max` uses the context codec (positions grouped by the base word's exponent) and
 # zstd level MAX_PRESET_LEVEL for the planes.
@@ -244,7 +244,7 @@ def _write_patch(
                 )
 
     writer = PatchWriter(out, header.to_json())
-    results = ordered_map(tasks(), options.workers)
+    results = ordered_map(tasks(), options.workers, window_for(options.workers, bb))
     item_results: list[ItemResult] = []
     file_refs: list[FileRef] = []
     done = 0

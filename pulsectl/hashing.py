@@ -32,10 +32,11 @@ def fingerprint_bytes(data: bytes | memoryview) -> str:
 def fingerprint_file(path: str | Path) -> str:
     """Fingerprint of a file's bytes, read in chunks."""
     hasher = new_hasher()
-    buf = bytearray(READ_CHUNK)
-    view = memoryview(buf)
     try:
         with open(path, "rb", buffering=0) as f:
+            # A small file gets a small buffer (a 16 MiB zero-fill per config.json adds up).
+            buf = bytearray(max(1, min(READ_CHUNK, os.fstat(f.fileno()).st_size)))
+            view = memoryview(buf)
             while True:
                 n = f.readinto(view)
                 if not n:

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import torch
 
-from pulsectl._io import default_workers, ordered_map
+from pulsectl._io import default_workers, ordered_map, window_for
 from pulsectl.checkpoint import FileEntry, SafetensorsHeader, TensorInfo, build_header, parse_header
 from pulsectl.codecs import decode_block
 from pulsectl.codecs.delta import find_changes
@@ -393,7 +393,8 @@ def apply_patch(
                 block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
                 yield _decode(block.codec, block.payload, base_bytes, b * bb, size, item.word)
 
-    results = ordered_map(tasks(), workers or default_workers())
+    workers = workers or default_workers()
+    results = ordered_map(tasks(), workers, window_for(workers, bb))
     for item, promised in zip(header.items, trailer.items, strict=True):
         assert item.name is not None
         h = new_hasher()
