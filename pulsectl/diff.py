@@ -333,8 +333,5 @@ def _encode_task(
     return run
 
 
-_Files = FileSource  # the name stats.py and apply.py import
-
-
 def _layout_word(layout: str) -> str:
     return "single file" if layout == "file" else "folder"

@@ -5,8 +5,8 @@ Three inputs, one set of figures (docs/STATS.md describes them and the JSON sche
 - ``pair_stats(OLD, NEW)`` compares the checkpoints word by word (numpy, chunked preads) and
   measures the patch ``pulsectl diff`` would write by writing it to a temporary file.
 - ``patch_stats(PATCH)`` reads the same figures from a patch alone: counts and sizes from the
-  trailer, word deltas decoded from the value planes of the delta blocks (codec 3 stores each
-  changed word as ``new - old``, so the base is not needed). Changed words in blocks stored
+  trailer, word deltas decoded from the value planes of the delta blocks (codecs 3 and 4 store
+  each changed word as ``new - old``, so the base is not needed). Changed words in blocks stored
   whole (dense blocks, tensors without a base) have no delta: they are counted as ``no_delta``.
 - ``chain_stats(C0..Cn, ks)`` gives the k-step table: for each k the density of
   diff(C_i, C_{i+k}) over every window i (mean, min, max).
@@ -34,15 +34,14 @@ from pulsectl._names import DEFAULT_KS
 from pulsectl.apply import open_patch
 from pulsectl.cast import cast_temporaries, target_dtype
 from pulsectl.checkpoint import Checkpoint, TensorInfo
-from pulsectl.codecs import CODEC_DELTA, _zstd
-from pulsectl.codecs.delta import _HEAD as _DELTA_HEAD
+from pulsectl.codecs import CODEC_CONTEXT, CODEC_DELTA, context, delta
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import CorruptPatchError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, blocks_in
 from pulsectl.info import read_patch_info
 from pulsectl.patch import header_from_json, trailer_from_json
-from pulsectl.sources import FileSource as _Files
+from pulsectl.sources import FileSource
 
 STATS_SCHEMA = 1  # version of the JSON of `pulsectl stats --json` (docs/STATS.md)
 BUCKETS = ("1", "2", "3-8", ">8")  # word-delta histogram buckets, in ULPs
@@ -359,7 +358,7 @@ def pair_stats(
     file_of = {e.relpath: i for i, e in enumerate(target.files)}
     base_file_of = {e.relpath: i for i, e in enumerate(base.files)}
 
-    with _Files(base) as base_fds, _Files(target) as target_fds:
+    with FileSource(base) as base_fds, FileSource(target) as target_fds:
 
         def tasks() -> Iterator[Callable[[], tuple[int, bool, int, Histogram]]]:
             for index, is_blob, info, base_start, word in plans:
@@ -397,10 +396,10 @@ def _compare_task(
     index: int,
     is_blob: bool,
     word: int,
-    target_fds: _Files,
+    target_fds: FileSource,
     fi: int,
     start: int,
-    base_fds: _Files,
+    base_fds: FileSource,
     bfi: int,
     base_start: int,
     size: int,
@@ -461,8 +460,8 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
             hist = _empty_histogram()
             for b in range(nblocks):
                 block = reader.read_block(max_payload, f"tensor {item.label!r} block {b}")
-                if block.codec == CODEC_DELTA and item.name is not None:
-                    part = delta_payload_histogram(block.payload, item.word)
+                if block.codec in (CODEC_DELTA, CODEC_CONTEXT) and item.name is not None:
+                    part = delta_payload_histogram(block.payload, item.word, block.codec)
                     hist = [a + c for a, c in zip(hist, part, strict=True)]
             histograms.append(hist)
         trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
@@ -508,28 +507,14 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
     return UpdateStats("patch", inputs, tensors, blobs, size, header.target_bytes)
 
 
-def delta_payload_histogram(payload: bytes, word: int) -> Histogram:
-    """Word-delta histogram of one codec-3 payload, from its value planes alone (no base)."""
-    if len(payload) < _DELTA_HEAD.size:
-        raise CorruptPatchError("delta block is shorter than its header")
-    count, gap_bytes, pword, _ = _DELTA_HEAD.unpack_from(payload, 0)
-    if pword != word or not 1 <= gap_bytes <= 4 or count == 0:
-        raise CorruptPatchError("delta block header is damaged")
-    nplanes = gap_bytes + word
-    sizes = struct.unpack_from(f"<{nplanes}I", payload, _DELTA_HEAD.size)
-    offset = _DELTA_HEAD.size + 4 * nplanes + sum(sizes[:gap_bytes])
-    if offset + sum(sizes[gap_bytes:]) != len(payload):
-        raise CorruptPatchError("delta block plane sizes do not add up to its length")
-    values = np.zeros((count, word), dtype=np.uint8)
-    view = memoryview(payload)
-    for p, size in enumerate(sizes[gap_bytes:]):
-        if size:
-            plane = _zstd.decompress(view[offset : offset + size], count)
-            values[:, p] = np.frombuffer(plane, dtype=np.uint8)
-        offset += size
+def delta_payload_histogram(payload: bytes, word: int, codec: int = CODEC_DELTA) -> Histogram:
+    """Word-delta histogram of one codec-3 or codec-4 payload, from its moves alone (no base)."""
+    if codec == CODEC_CONTEXT:
+        moved = context.decode_moves_only(payload, word)
+    else:
+        _, moved = delta.decode_moves(payload, word, 1 << 62)
     utype = _UINT[word]
-    zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
-    magnitude = (zigzag >> utype(1)) + (zigzag & utype(1))  # |v| for zigzag(v), no overflow
+    magnitude = np.minimum(moved, ~moved + utype(1))  # |moved| as a signed number
     if not magnitude.all():
         raise CorruptPatchError("delta block stores a change of zero")
     return _histogram_of(magnitude)
@@ -586,7 +571,7 @@ def chain_stats(
         for _, info in c.tensors():
             order.setdefault(info.name)
     file_index = [{e.relpath: i for i, e in enumerate(c.files)} for c in ckpts]
-    fds = [_Files(c) for c in ckpts]
+    fds = [FileSource(c) for c in ckpts]
     changed = {k: [0] * max(0, n - k) for k in ks}
     try:
         for f in fds:
@@ -614,7 +599,7 @@ def chain_stats(
 
 def _window_task(
     where: list[tuple[int, TensorInfo] | None],
-    fds: list[_Files],
+    fds: list[FileSource],
     pairs: list[tuple[int, int]],
     w0: int,
     step: int,

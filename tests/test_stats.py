@@ -252,3 +252,22 @@ def test_plot_without_matplotlib(
     code = main(["stats", str(chain[0]), str(chain[1]), "--plot", str(tmp_path / "x.png")])
     assert code == 2
     assert "pip install 'pulsectl[plot]'" in capsys.readouterr().err
+
+
+def test_stats_patch_histogram_from_context_blocks(tmp_path):
+    """--level max patches (codec 4) give the same histogram as the checkpoints."""
+    from pulsectl.diff import DiffOptions
+    from pulsectl.stats import pair_stats, patch_stats
+    from pulsectl.synth import generate_chain
+
+    chain = generate_chain(tmp_path / "c", shape="tiny", steps=1, lr=3e-6, seed=2)
+    patch = tmp_path / "max.pulse"
+    diff_to_path(chain[0], chain[1], patch, options=DiffOptions(level=19, context=True))
+    from_patch = patch_stats(patch).to_json()
+    from_pair = pair_stats(chain[0], chain[1]).to_json()
+    got, want = from_patch["total"]["histogram"], from_pair["total"]["histogram"]
+    # words of blocks stored whole (dense) have no delta in a patch: counted as no_delta
+    assert sum(got.values()) == sum(want.values())
+    assert all(got[k] <= want[k] for k in ("1", "2", "3-8", ">8"))
+    assert sum(want[k] - got[k] for k in ("1", "2", "3-8", ">8")) == got["no_delta"]
+    assert got["1"] > 0.8 * want["1"]  # the context blocks were read, not skipped

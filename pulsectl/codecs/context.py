@@ -151,11 +151,37 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     if np.any(ranks[last] >= sizes[present]):
         raise CorruptPatchError("context block points past the end of a context")
     positions = perm[np.repeat(starts[present], counts) + ranks]
-    if len(payload) < offset + 4 * word:
+    moved = _moves(view, offset, count, word)
+    out = old.copy()
+    words = out.view(_UINT[word])
+    words[positions] = words[positions] + moved
+    return out
+
+
+def decode_moves_only(payload: bytes, word: int) -> np.ndarray:
+    """The moves (``new - old``, unsigned) of a context payload, without the base.
+
+    Their positions need the base words; the moves alone give statistics (``stats PATCH``).
+    """
+    view = memoryview(payload)
+    if len(payload) < _HEAD.size:
+        raise CorruptPatchError("context block is shorter than its header")
+    count, pword, _, bits, r1, ncontexts, r2 = _HEAD.unpack_from(payload, 0)
+    if pword != word or r1 or r2 or not 1 <= bits <= 16 or count == 0 or ncontexts == 0:
+        raise CorruptPatchError("context block header is damaged")
+    offset = _HEAD.size
+    for _ in range(3):  # the context table, the unary and the remainder streams
+        _, offset = _take_sized(view, offset)
+    return _moves(view, offset, count, word)
+
+
+def _moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:
+    """The value planes at ``offset`` (the rest of the payload) as unsigned moves."""
+    if len(view) < offset + 4 * word:
         raise CorruptPatchError("context block is shorter than its value table")
-    plane_sizes = struct.unpack_from(f"<{word}I", payload, offset)
+    plane_sizes = struct.unpack_from(f"<{word}I", view, offset)
     offset += 4 * word
-    if offset + sum(plane_sizes) != len(payload):
+    if offset + sum(plane_sizes) != len(view):
         raise CorruptPatchError("context block value planes do not add up to its length")
     values = np.zeros((count, word), dtype=np.uint8)
     for p, size in enumerate(plane_sizes):
@@ -166,10 +192,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     utype, stype = _UINT[word], _SINT[word]
     zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
     signed = (zigzag >> 1).view(stype) ^ -(zigzag & 1).view(stype)
-    out = old.copy()
-    words = out.view(utype)
-    words[positions] = words[positions] + signed.view(utype)
-    return out
+    return signed.view(utype)
 
 
 def _group(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
