@@ -19,7 +19,6 @@ units in the last place. Memory stays at a few chunks whatever the model size.
 from __future__ import annotations
 
 import re
-import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
