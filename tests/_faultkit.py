@@ -51,14 +51,19 @@ def write_small_pair(folder: Path, seed: int = 1234) -> tuple[Path, Path]:
     big = bf16_words(rng, 4096)  # 8 KiB: two 4 KiB blocks
     same = bf16_words(rng, 64)
     ctx = bf16_words(rng, 2048, 1.0)  # 4 KiB: changes where the exponent is small (codec 4)
-    small = np.flatnonzero(((ctx >> 7) & 0xFF) < np.median((ctx >> 7) & 0xFF))
+    exponents = (ctx >> 7) & 0xFF
+    small = np.flatnonzero(exponents < np.quantile(exponents, 0.25))
     ctx_new = ctx.copy()
-    ctx_new[rng.choice(small, small.size // 5, replace=False)] += 1
+    ctx_new[rng.choice(small, small.size // 2, replace=False)] += 1
+    run = bf16_words(rng, 512)  # a contiguous run of moves: byte-planed gaps win (codec 3)
+    run_new = run.copy()
+    run_new[100:400] += 1
     base = {
         "a.weight": ("BF16", [64, 64], big),
         "e.weight": ("BF16", [2048], ctx),
         "b.weight": ("BF16", [64], same),
         "d.mask": ("U8", [256], rng.integers(0, 256, 256, dtype=np.uint8)),
+        "f.weight": ("BF16", [512], run),
     }
     new = {
         "a.weight": ("BF16", [64, 64], nudge(rng, big, 0.02)),
@@ -66,6 +71,7 @@ def write_small_pair(folder: Path, seed: int = 1234) -> tuple[Path, Path]:
         "c.bias": ("F32", [6], rng.normal(0, 1, 6).astype(np.float32)),  # new: store
         "d.mask": ("I8", [256], np.zeros(256, dtype=np.int8)),  # dtype changed: zstd
         "e.weight": ("BF16", [2048], ctx_new),
+        "f.weight": ("BF16", [512], run_new),
     }
     base_path, new_path = folder / "base.safetensors", folder / "new.safetensors"
     save_safetensors(base_path, base, {"format": "pt"})

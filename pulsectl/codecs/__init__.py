@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pulsectl.codecs import context, delta, raw
+from pulsectl.codecs import context, delta, raw, rice
 from pulsectl.errors import CorruptPatchError
 
 CODEC_COPY = 0  # identical to the base block; empty payload
@@ -18,6 +18,7 @@ CODEC_STORE = 1  # the new bytes verbatim
 CODEC_ZSTD = 2  # the new bytes, one zstd frame
 CODEC_DELTA = 3  # changed positions and word differences (pulsectl.codecs.delta)
 CODEC_CONTEXT = 4  # the same, positions grouped by the base word's exponent (codecs.context)
+CODEC_RICE = 5  # codec 3 with Rice-coded gaps (codecs.rice)
 
 CODEC_NAMES = {
     CODEC_COPY: "copy",
@@ -25,7 +26,10 @@ CODEC_NAMES = {
     CODEC_ZSTD: "zstd",
     CODEC_DELTA: "delta",
     CODEC_CONTEXT: "context",
+    CODEC_RICE: "rice",
 }
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # Above this fraction of changed words the raw codecs are tried as well.
 _DENSE_FRACTION = 0.05
@@ -58,7 +62,13 @@ def encode_block(
         positions = delta.find_changes(old, new, word)
     if positions.size == 0:
         return EncodedBlock(CODEC_COPY, b"", 0)
-    best = EncodedBlock(CODEC_DELTA, delta.encode(old, new, word, positions, level), positions.size)
+    moved = new.view(_UINT[word])[positions] - old.view(_UINT[word])[positions]
+    best = EncodedBlock(
+        CODEC_DELTA, delta.encode_moves(positions, moved, word, level), positions.size
+    )
+    payload = rice.encode_moves(positions, moved, word, level)
+    if len(payload) < len(best.payload):
+        best = EncodedBlock(CODEC_RICE, payload, positions.size)
     if key is not None:
         payload = context.encode(old, new, word, positions, key, level)
         if len(payload) < len(best.payload):
@@ -99,6 +109,10 @@ def decode_block(
         if old is None:
             raise CorruptPatchError("delta block for an item that has no base")
         return delta.decode(old, payload, word)
+    if codec == CODEC_RICE:
+        if old is None:
+            raise CorruptPatchError("rice block for an item that has no base")
+        return rice.decode(old, payload, word)
     if codec == CODEC_CONTEXT:
         if old is None:
             raise CorruptPatchError("context block for an item that has no base")

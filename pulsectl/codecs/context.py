@@ -23,13 +23,23 @@ import struct
 import numpy as np
 
 from pulsectl.codecs import _zstd
+from pulsectl.codecs._bits import (
+    MAX_RICE_K,
+    best_rice,
+    pack_bits,
+    pack_moves,
+    pack_unary,
+    take_sized,
+    unpack_bits,
+    unpack_moves,
+    unpack_unary,
+)
 from pulsectl.errors import CorruptPatchError
 
 _HEAD = struct.Struct("<IBBBBHH")
 _CTX_BYTES = 7  # per context: u16 key, u8 rice_k, u32 changes (stored column by column)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-MAX_RICE_K = 31
 
 # Exponent fields (shift, bits) of the float dtypes, on the word the codec sees.
 KEYS: dict[str, tuple[int, int]] = {
@@ -77,21 +87,15 @@ def encode(
     gaps = ranks - prev - 1
     ks = np.empty(present.size, dtype=np.uint8)
     for i, (lo, n) in enumerate(zip(first, counts, strict=True)):
-        ks[i] = _best_rice(gaps[lo : lo + n])
+        ks[i] = best_rice(gaps[lo : lo + n])
     table = _zstd.compress(
         present.astype("<u2").tobytes() + ks.tobytes() + counts.astype("<u4").tobytes(), level
     )
     per_change_k = np.repeat(ks, counts).astype(np.int64)
-    unary = _pack_unary(gaps >> per_change_k)
-    remainder = _pack_bits(gaps & ((1 << per_change_k) - 1), per_change_k)
-    utype, stype = _UINT[word], _SINT[word]
+    unary = pack_unary(gaps >> per_change_k)
+    remainder = pack_bits(gaps & ((1 << per_change_k) - 1), per_change_k)
+    utype = _UINT[word]
     moved = new.view(utype)[positions] - old.view(utype)[positions]
-    signed = moved.view(stype)
-    zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
-    planes = [
-        np.ascontiguousarray(zigzag.view(np.uint8).reshape(-1, word)[:, p]) for p in range(word)
-    ]
-    packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
     parts = [
         _HEAD.pack(positions.size, word, key[0], key[1], 0, present.size, 0),
         struct.pack("<I", len(table)),
@@ -100,8 +104,7 @@ def encode(
         unary,
         struct.pack("<I", len(remainder)),
         remainder,
-        struct.pack(f"<{word}I", *(len(p) for p in packed)),
-        *packed,
+        pack_moves(moved, word, level),
     ]
     return b"".join(parts)
 
@@ -117,7 +120,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
         raise CorruptPatchError("context block header is damaged")
     if not 0 < count <= nwords or not 0 < ncontexts <= min(count, 1 << bits):
         raise CorruptPatchError(f"context block claims {count} changes in {nwords} words")
-    packed_table, offset = _take_sized(view, _HEAD.size)
+    packed_table, offset = take_sized(view, _HEAD.size)
     table = np.frombuffer(_zstd.decompress(packed_table, ncontexts * _CTX_BYTES), dtype=np.uint8)
     present = table[: 2 * ncontexts].view("<u2").astype(np.int64)
     ks = table[2 * ncontexts : 3 * ncontexts].astype(np.int64)
@@ -130,14 +133,14 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
         or int(counts.sum()) != count
     ):
         raise CorruptPatchError("context block table is damaged")
-    unary, offset = _take_sized(view, offset)
-    remainder, offset = _take_sized(view, offset)
+    unary, offset = take_sized(view, offset)
+    remainder, offset = take_sized(view, offset)
     per_change_k = np.repeat(ks, counts)
     # Every quotient is at most its gap and the gaps of a valid block add up to less than
     # nwords, so the first count 0-bits lie in the first count + nwords bits: read no further
     # (a hostile stream of block_bytes + 1 MiB would otherwise unpack to 64 times its size).
-    quotients = _unpack_unary(unary[: (count + nwords + 7) // 8], count)
-    rems = _unpack_bits(remainder, per_change_k)
+    quotients = unpack_unary(unary[: (count + nwords + 7) // 8], count)
+    rems = unpack_bits(remainder, per_change_k)
     gaps = (quotients << per_change_k) | rems
     first = np.concatenate(([0], np.cumsum(counts)[:-1]))
     # Ranks restart at each context: a cumulative sum with the totals of earlier contexts removed.
@@ -151,7 +154,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     if np.any(ranks[last] >= sizes[present]):
         raise CorruptPatchError("context block points past the end of a context")
     positions = perm[np.repeat(starts[present], counts) + ranks]
-    moved = _moves(view, offset, count, word)
+    moved = unpack_moves(view, offset, count, word)
     out = old.copy()
     words = out.view(_UINT[word])
     words[positions] = words[positions] + moved
@@ -171,28 +174,8 @@ def decode_moves_only(payload: bytes, word: int) -> np.ndarray:
         raise CorruptPatchError("context block header is damaged")
     offset = _HEAD.size
     for _ in range(3):  # the context table, the unary and the remainder streams
-        _, offset = _take_sized(view, offset)
-    return _moves(view, offset, count, word)
-
-
-def _moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:
-    """The value planes at ``offset`` (the rest of the payload) as unsigned moves."""
-    if len(view) < offset + 4 * word:
-        raise CorruptPatchError("context block is shorter than its value table")
-    plane_sizes = struct.unpack_from(f"<{word}I", view, offset)
-    offset += 4 * word
-    if offset + sum(plane_sizes) != len(view):
-        raise CorruptPatchError("context block value planes do not add up to its length")
-    values = np.zeros((count, word), dtype=np.uint8)
-    for p, size in enumerate(plane_sizes):
-        if size:
-            plane = _zstd.decompress(view[offset : offset + size], count)
-            values[:, p] = np.frombuffer(plane, dtype=np.uint8)
-        offset += size
-    utype, stype = _UINT[word], _SINT[word]
-    zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
-    signed = (zigzag >> 1).view(stype) ^ -(zigzag & 1).view(stype)
-    return signed.view(utype)
+        _, offset = take_sized(view, offset)
+    return unpack_moves(view, offset, count, word)
 
 
 def _group(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,67 +183,3 @@ def _group(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     perm = np.argsort(keys, kind="stable")
     bounds = np.searchsorted(keys[perm], np.arange((1 << bits) + 1))
     return perm, bounds[:-1], np.diff(bounds)
-
-
-def _best_rice(gaps: np.ndarray) -> int:
-    """The Rice parameter k that codes ``gaps`` in the fewest bits."""
-    top = max(1, int(gaps.max()).bit_length())
-    costs = [int((gaps >> k).sum()) + gaps.size * (k + 1) for k in range(min(top, MAX_RICE_K) + 1)]
-    return int(np.argmin(costs))
-
-
-def _pack_unary(quotients: np.ndarray) -> bytes:
-    """Each q as q one-bits then a zero-bit, MSB-first into bytes, zero padding."""
-    lengths = quotients + 1
-    ends = np.cumsum(lengths)
-    bits = np.ones(int(ends[-1]), dtype=np.uint8)
-    bits[ends - 1] = 0
-    return np.packbits(bits).tobytes()
-
-
-def _unpack_unary(data: memoryview, count: int) -> np.ndarray:
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
-    zeros = np.flatnonzero(bits == 0)
-    if zeros.size < count:
-        raise CorruptPatchError("context block unary stream is too short")
-    zeros = zeros[:count]
-    return np.diff(zeros, prepend=-1) - 1
-
-
-def _pack_bits(values: np.ndarray, widths: np.ndarray) -> bytes:
-    """Each value as ``width`` bits, MSB-first, concatenated; zero padding."""
-    total = int(widths.sum())
-    if total == 0:
-        return b""
-    ends = np.cumsum(widths)
-    bits = np.zeros(total, dtype=np.uint8)
-    for j in range(int(widths.max())):
-        has = widths > j
-        # bit j counted from the least significant end sits at ends - 1 - j
-        bits[(ends - 1 - j)[has]] = ((values[has] >> j) & 1).astype(np.uint8)
-    return np.packbits(bits).tobytes()
-
-
-def _unpack_bits(data: memoryview, widths: np.ndarray) -> np.ndarray:
-    total = int(widths.sum())
-    if len(data) != (total + 7) // 8:  # checked before unpacking: 8 bytes of memory per bit
-        raise CorruptPatchError("context block remainder stream has the wrong length")
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
-    out = np.zeros(widths.size, dtype=np.int64)
-    if total == 0:
-        return out
-    ends = np.cumsum(widths)
-    for j in range(int(widths.max())):
-        has = widths > j
-        out[has] |= bits[(ends - 1 - j)[has]].astype(np.int64) << j
-    return out
-
-
-def _take_sized(view: memoryview, offset: int) -> tuple[memoryview, int]:
-    if len(view) < offset + 4:
-        raise CorruptPatchError("context block is truncated")
-    (n,) = struct.unpack_from("<I", view, offset)
-    offset += 4
-    if len(view) < offset + n:
-        raise CorruptPatchError("context block is truncated")
-    return view[offset : offset + n], offset + n

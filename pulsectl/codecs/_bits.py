@@ -1,0 +1,116 @@
+"""Bit-level pieces shared by the Rice-coded codecs (4 and 5): unary and fixed-width bit
+streams, the Rice parameter, length-prefixed sections and the zigzag value planes."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from pulsectl.codecs import _zstd
+from pulsectl.errors import CorruptPatchError
+
+MAX_RICE_K = 31
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def best_rice(gaps: np.ndarray) -> int:
+    """The Rice parameter k that codes ``gaps`` in the fewest bits."""
+    top = max(1, int(gaps.max()).bit_length())
+    costs = [int((gaps >> k).sum()) + gaps.size * (k + 1) for k in range(min(top, MAX_RICE_K) + 1)]
+    return int(np.argmin(costs))
+
+
+def pack_unary(quotients: np.ndarray) -> bytes:
+    """Each q as q one-bits then a zero-bit, MSB-first into bytes, zero padding."""
+    lengths = quotients + 1
+    ends = np.cumsum(lengths)
+    bits = np.ones(int(ends[-1]), dtype=np.uint8)
+    bits[ends - 1] = 0
+    return np.packbits(bits).tobytes()
+
+
+def unpack_unary(data: memoryview, count: int) -> np.ndarray:
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    zeros = np.flatnonzero(bits == 0)
+    if zeros.size < count:
+        raise CorruptPatchError("unary stream is too short")
+    zeros = zeros[:count]
+    return np.diff(zeros, prepend=-1) - 1
+
+
+def pack_bits(values: np.ndarray, widths: np.ndarray) -> bytes:
+    """Each value as ``width`` bits, MSB-first, concatenated; zero padding."""
+    total = int(widths.sum())
+    if total == 0:
+        return b""
+    ends = np.cumsum(widths)
+    bits = np.zeros(total, dtype=np.uint8)
+    for j in range(int(widths.max())):
+        has = widths > j
+        # bit j counted from the least significant end sits at ends - 1 - j
+        bits[(ends - 1 - j)[has]] = ((values[has] >> j) & 1).astype(np.uint8)
+    return np.packbits(bits).tobytes()
+
+
+def unpack_bits(data: memoryview, widths: np.ndarray) -> np.ndarray:
+    total = int(widths.sum())
+    if len(data) != (total + 7) // 8:  # checked before unpacking: 8 bytes of memory per bit
+        raise CorruptPatchError("remainder stream has the wrong length")
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    out = np.zeros(widths.size, dtype=np.int64)
+    if total == 0:
+        return out
+    ends = np.cumsum(widths)
+    for j in range(int(widths.max())):
+        has = widths > j
+        out[has] |= bits[(ends - 1 - j)[has]].astype(np.int64) << j
+    return out
+
+
+def take_sized(view: memoryview, offset: int) -> tuple[memoryview, int]:
+    """A ``u32 length`` then that many bytes, at ``offset``; returns them and the next offset."""
+    if len(view) < offset + 4:
+        raise CorruptPatchError("block is truncated")
+    (n,) = struct.unpack_from("<I", view, offset)
+    offset += 4
+    if len(view) < offset + n:
+        raise CorruptPatchError("block is truncated")
+    return view[offset : offset + n], offset + n
+
+
+def pack_moves(moved: np.ndarray, word: int, level: int) -> bytes:
+    """Moves (``new - old``, unsigned) as zigzag values: ``word`` x u32 plane sizes, planes.
+
+    Plane p holds byte p of each value; an all-zero plane is stored as size 0, others as one
+    zstd frame each (as in codec 3).
+    """
+    utype, stype = _UINT[word], _SINT[word]
+    signed = moved.astype(utype, copy=False).view(stype)
+    zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
+    planes = [
+        np.ascontiguousarray(zigzag.view(np.uint8).reshape(-1, word)[:, p]) for p in range(word)
+    ]
+    packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
+    return struct.pack(f"<{word}I", *(len(p) for p in packed)) + b"".join(packed)
+
+
+def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:
+    """The value planes at ``offset`` (the rest of the payload) as unsigned moves."""
+    if len(view) < offset + 4 * word:
+        raise CorruptPatchError("block is shorter than its value table")
+    plane_sizes = struct.unpack_from(f"<{word}I", view, offset)
+    offset += 4 * word
+    if offset + sum(plane_sizes) != len(view):
+        raise CorruptPatchError("block value planes do not add up to its length")
+    values = np.zeros((count, word), dtype=np.uint8)
+    for p, size in enumerate(plane_sizes):
+        if size:
+            plane = _zstd.decompress(view[offset : offset + size], count)
+            values[:, p] = np.frombuffer(plane, dtype=np.uint8)
+        offset += size
+    utype, stype = _UINT[word], _SINT[word]
+    zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
+    signed = (zigzag >> 1).view(stype) ^ -(zigzag & 1).view(stype)
+    return signed.view(utype)

@@ -1,0 +1,89 @@
+"""The Rice delta codec (codec id 5): codec 3's changes with the gaps Rice-coded.
+
+Changed words of an Adam step are scattered about evenly, so their gaps are close to
+geometric. One Rice parameter fits such gaps within a few hundredths of a bit of their entropy,
+where byte planes pay for their mostly-zero high planes (zstd's Huffman stage spends at least
+a bit per byte). The values are codec 3's zigzag planes.
+
+Payload layout (little-endian), mirrored in docs/FORMAT.md:
+  u32 count, u8 word, u8 rice_k (0..31), u16 reserved (0),
+  u32 unary_bytes, unary stream, u32 remainder_bytes, remainder stream,
+  word x u32 value plane sizes, value planes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from pulsectl.codecs._bits import (
+    MAX_RICE_K,
+    best_rice,
+    pack_moves,
+    pack_unary,
+    take_sized,
+    unpack_bits,
+    unpack_moves,
+    unpack_unary,
+)
+from pulsectl.errors import CorruptPatchError
+
+_HEAD = struct.Struct("<IBBH")
+
+
+def encode_moves(positions: np.ndarray, moved: np.ndarray, word: int, level: int) -> bytes:
+    """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``."""
+    gaps = np.diff(positions, prepend=-1) - 1
+    k = best_rice(gaps)
+    unary = pack_unary(gaps >> k)
+    remainder = _pack_fixed(gaps & ((1 << k) - 1), k)
+    return b"".join(
+        [
+            _HEAD.pack(positions.size, word, k, 0),
+            struct.pack("<I", len(unary)),
+            unary,
+            struct.pack("<I", len(remainder)),
+            remainder,
+            pack_moves(moved, word, level),
+        ]
+    )
+
+
+def _pack_fixed(values: np.ndarray, k: int) -> bytes:
+    """Each value as exactly ``k`` bits, MSB first, concatenated; zero padding."""
+    if k == 0:
+        return b""
+    shifts = np.arange(k - 1, -1, -1, dtype=np.int64)
+    return np.packbits(((values[:, None] >> shifts) & 1).astype(np.uint8).ravel()).tobytes()
+
+
+def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (int64) and moves (unsigned) of a Rice delta payload (no base needed)."""
+    view = memoryview(payload)
+    if len(payload) < _HEAD.size:
+        raise CorruptPatchError("rice block is shorter than its header")
+    count, pword, k, reserved = _HEAD.unpack_from(payload, 0)
+    if pword != word or k > MAX_RICE_K or reserved:
+        raise CorruptPatchError("rice block header is damaged")
+    if not 0 < count <= nwords:
+        raise CorruptPatchError(f"rice block claims {count} changes in {nwords} words")
+    unary, offset = take_sized(view, _HEAD.size)
+    remainder, offset = take_sized(view, offset)
+    # Quotients are at most the gaps, which add up to less than nwords: read no further.
+    quotients = unpack_unary(unary[: (count + nwords + 7) // 8], count)
+    rems = unpack_bits(remainder, np.full(count, k, dtype=np.int64))
+    positions = np.cumsum((quotients << k) + rems + 1) - 1
+    if positions[-1] >= nwords:
+        raise CorruptPatchError("rice block points past the end of its block")
+    return positions, unpack_moves(view, offset, count, word)
+
+
+def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
+    """Rebuild the new block (uint8) from the base block and a Rice delta payload."""
+    utype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[word]
+    positions, moved = decode_moves(payload, word, old.size // word)
+    out = old.copy()
+    words = out.view(utype)
+    words[positions] = words[positions] + moved
+    return out
