@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,15 @@ from pulsectl._atomic import check_target, install, os_error, remove, temp_path
 from pulsectl._io import default_workers, overlapped_map, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block
-from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, OutputError, UsageError
-from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
+from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
+from pulsectl.format import (
+    BLOCK_PAYLOAD_SLACK,
+    PatchReader,
+    PatchSource,
+    blocks_in,
+    open_patch,
+    read_trailer_at_end,
+)
 from pulsectl.hashing import checkpoint_fingerprint, fingerprint_range, new_hasher
 from pulsectl.inventory import file_refs, fingerprint_of
 from pulsectl.patch import (
@@ -40,7 +46,6 @@ from pulsectl.patch import (
 from pulsectl.sources import FileSource, scan
 
 Progress = Callable[[int, int], None]
-PatchSource = str | Path | BinaryIO
 
 
 @dataclass(frozen=True)
@@ -49,25 +54,6 @@ class ApplySummary:
     target_fingerprint: str
     patches: int
     target_bytes: int
-
-
-def open_patch(source: PatchSource, stdin: BinaryIO | None = None) -> tuple[PatchReader, BinaryIO]:
-    """Open a patch file, ``-`` (standard input) or a binary stream and read its header."""
-    if isinstance(source, (str, Path)):
-        if str(source) == "-":
-            stream = stdin or sys.stdin.buffer
-            name = "<stdin>"
-        else:
-            try:
-                stream = open(source, "rb")  # noqa: SIM115 - closed by the caller
-            except OSError as exc:
-                raise InputError(
-                    f"{source}: cannot open patch: {exc.strerror}", path=source
-                ) from exc
-            name = str(source)
-    else:
-        stream, name = source, getattr(source, "name", "<stream>")
-    return PatchReader(stream, str(name)), stream
 
 
 def read_header(reader: PatchReader) -> PatchHeader:

@@ -25,12 +25,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from pulsectl._dtypes import DTYPES
 from pulsectl.errors import FormatError, InputError, OutputError
+
+if TYPE_CHECKING:  # numpy is imported only to write files: reading headers stays light
+    import numpy as np
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same limit as the official safetensors library
 HEADER_LEN_BYTES = 8  # the u64 little-endian header length that starts every file
@@ -426,6 +427,8 @@ def _tensor_bytes(
     dims = [int(d) for d in shape]
     if any(d < 0 for d in dims):
         raise ValueError(f"tensor {name!r}: negative dimension in shape {dims}")
+    import numpy as np
+
     if isinstance(data, np.ndarray):
         arr = data.astype(data.dtype.newbyteorder("<"), copy=False)
         buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import xxhash
 import zstandard
 
-from pulsectl.codecs import _zstd
-from pulsectl.errors import CorruptPatchError, FormatError
+from pulsectl import _zstd
+from pulsectl.errors import CorruptPatchError, FormatError, InputError
 
 MAGIC = b"\x89PULSE\r\n"
 END_MAGIC = b"PULSEEND"
@@ -105,6 +107,28 @@ class PatchWriter:
 class Block:
     codec: int
     payload: bytes
+
+
+PatchSource = str | Path | BinaryIO
+
+
+def open_patch(source: PatchSource, stdin: BinaryIO | None = None) -> tuple[PatchReader, BinaryIO]:
+    """Open a patch file, ``-`` (standard input) or a binary stream and read its header."""
+    if isinstance(source, (str, Path)):
+        if str(source) == "-":
+            stream = stdin or sys.stdin.buffer
+            name = "<stdin>"
+        else:
+            try:
+                stream = open(source, "rb")  # noqa: SIM115 - closed by the caller
+            except OSError as exc:
+                raise InputError(
+                    f"{source}: cannot open patch: {exc.strerror}", path=source
+                ) from exc
+            name = str(source)
+    else:
+        stream, name = source, getattr(source, "name", "<stream>")
+    return PatchReader(stream, str(name)), stream
 
 
 class PatchReader:

@@ -13,6 +13,7 @@ from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     FORMAT_VERSION,
     blocks_in,
+    open_patch,
     read_trailer_at_end,
 )
 from pulsectl.inventory import fingerprint_of
@@ -88,8 +89,6 @@ class PatchInfo:
 
 def read_patch_info(source: str | Path | BinaryIO, *, check: bool = False) -> PatchInfo:
     """Header and trailer of a patch. ``check`` (or a pipe) reads it whole, verifying checksums."""
-    from pulsectl.apply import open_patch
-
     reader, stream = open_patch(source)
     try:
         header = header_from_json(reader.header, reader.name)

@@ -1,8 +1,8 @@
 """squash: one patch equivalent to a chain (the base of the first, the target of the last).
 
-Without the base checkpoint, blocks are composed symbolically: a delta block is a set of
-(position, move) pairs, and moves add up modulo the word size, so a word that moved +1 then -1
-drops out. Stored blocks carry their bytes, and later deltas apply to them. Context blocks
+Without the base checkpoint, blocks are composed symbolically: a delta block (codec 3 or 5) is
+a set of (position, move) pairs, and moves add up modulo the word size, so a word that moved +1
+then -1 drops out. Stored blocks carry their bytes, and later deltas apply to them. Context blocks
 (``--level max``) need the base words to find their positions, so a chain that has them is
 squashed with the base given: then the chain is applied to a temporary checkpoint and the
 result diffed against the base, with any codec.
@@ -26,11 +26,13 @@ from pulsectl.codecs import (
     CODEC_CONTEXT,
     CODEC_COPY,
     CODEC_DELTA,
+    CODEC_RICE,
     CODEC_STORE,
     CODEC_ZSTD,
     EncodedBlock,
     decode_block,
     encode_block,
+    rice,
 )
 from pulsectl.codecs.delta import decode_moves, encode_moves
 from pulsectl.diff import DiffOptions
@@ -221,8 +223,9 @@ def _compose_block(
                     "squash with --base CKPT"
                 )
             raw = decode_block(block.codec, block.payload, raw, size, word).copy()
-        elif block.codec == CODEC_DELTA:
-            pos, mv = decode_moves(block.payload, word, size // word)
+        elif block.codec in (CODEC_DELTA, CODEC_RICE):
+            decode = decode_moves if block.codec == CODEC_DELTA else rice.decode_moves
+            pos, mv = decode(block.payload, word, size // word)
             if raw is not None:
                 raw = decode_block(block.codec, block.payload, raw, size, word).copy()
             else:
@@ -236,10 +239,17 @@ def _compose_block(
         if item.base_file is None:
             raise IntegrityError(f"{name}: item {item.label!r} has no base and no bytes")
         return EncodedBlock(CODEC_COPY, b"", 0)
-    payload = encode_moves(positions, moves, word, level)
-    if len(payload) >= size:
-        raise UsageError(f"{name}: a squashed block is denser than storing it; use --base")
-    return EncodedBlock(CODEC_DELTA, payload, int(positions.size))
+    best = EncodedBlock(CODEC_DELTA, encode_moves(positions, moves, word, level), positions.size)
+    payload = rice.encode_moves(positions, moves, word, level)
+    if len(payload) < len(best.payload):
+        best = EncodedBlock(CODEC_RICE, payload, positions.size)
+    # Without the base bytes a dense block cannot be stored whole: its delta may be a little
+    # larger than the block, within what the format allows; beyond that, the base is needed.
+    if len(best.payload) > size + BLOCK_PAYLOAD_SLACK:
+        raise UsageError(
+            f"{name}: a squashed block is too dense to code without the base; use --base"
+        )
+    return best
 
 
 def _add_moves(

@@ -5,9 +5,9 @@ Three inputs, one set of figures (docs/STATS.md describes them and the JSON sche
 - ``pair_stats(OLD, NEW)`` compares the checkpoints word by word (numpy, chunked preads) and
   measures the patch ``pulsectl diff`` would write by writing it to a temporary file.
 - ``patch_stats(PATCH)`` reads the same figures from a patch alone: counts and sizes from the
-  trailer, word deltas decoded from the value planes of the delta blocks (codecs 3 and 4 store
-  each changed word as ``new - old``, so the base is not needed). Changed words in blocks stored
-  whole (dense blocks, tensors without a base) have no delta: they are counted as ``no_delta``.
+  trailer, word deltas decoded from the value planes of the delta blocks (codecs 3, 4 and 5
+  store each changed word as ``new - old``, so the base is not needed). Changed words in blocks
+  stored whole (dense blocks, tensors without a base) have no delta: counted as ``no_delta``.
 - ``chain_stats(C0..Cn, ks)`` gives the k-step table: for each k the density of
   diff(C_i, C_{i+k}) over every window i (mean, min, max).
 
@@ -30,14 +30,13 @@ import numpy as np
 from pulsectl._atomic import atomic_file
 from pulsectl._io import default_workers, ordered_map
 from pulsectl._names import DEFAULT_KS
-from pulsectl.apply import open_patch
 from pulsectl.cast import cast_temporaries, target_dtype
 from pulsectl.checkpoint import Checkpoint, TensorInfo
-from pulsectl.codecs import CODEC_CONTEXT, CODEC_DELTA, context, delta
+from pulsectl.codecs import CODEC_CONTEXT, CODEC_DELTA, CODEC_RICE, context, delta, rice
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import CorruptPatchError, UsageError
-from pulsectl.format import BLOCK_PAYLOAD_SLACK, blocks_in
+from pulsectl.format import BLOCK_PAYLOAD_SLACK, blocks_in, open_patch
 from pulsectl.info import read_patch_info
 from pulsectl.patch import header_from_json, trailer_from_json
 from pulsectl.sources import FileSource
@@ -459,7 +458,7 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
             hist = _empty_histogram()
             for b in range(nblocks):
                 block = reader.read_block(max_payload, f"tensor {item.label!r} block {b}")
-                if block.codec in (CODEC_DELTA, CODEC_CONTEXT) and item.name is not None:
+                if block.codec in _DELTA_CODECS and item.name is not None:
                     part = delta_payload_histogram(block.payload, item.word, block.codec)
                     hist = [a + c for a, c in zip(hist, part, strict=True)]
             histograms.append(hist)
@@ -506,10 +505,15 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
     return UpdateStats("patch", inputs, tensors, blobs, size, header.target_bytes)
 
 
+_DELTA_CODECS = (CODEC_DELTA, CODEC_CONTEXT, CODEC_RICE)  # blocks that store new - old
+
+
 def delta_payload_histogram(payload: bytes, word: int, codec: int = CODEC_DELTA) -> Histogram:
-    """Word-delta histogram of one codec-3 or codec-4 payload, from its moves alone (no base)."""
+    """Word-delta histogram of a codec 3, 4 or 5 payload, from its moves alone (no base)."""
     if codec == CODEC_CONTEXT:
         moved = context.decode_moves_only(payload, word)
+    elif codec == CODEC_RICE:
+        _, moved = rice.decode_moves(payload, word, 1 << 62)
     else:
         _, moved = delta.decode_moves(payload, word, 1 << 62)
     utype = _UINT[word]

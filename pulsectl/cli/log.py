@@ -7,11 +7,12 @@ import typer
 from pulsectl.cli._options import JsonFlag
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
-from pulsectl.store.log import read_log
 
 
 def log(ctx: typer.Context, store: StoreUrl, as_json: JsonFlag = False) -> None:
     """The published steps of STORE: kind, sizes, chain length, density."""
+    from pulsectl.store.log import read_log
+
     out: Output = ctx.obj
     doc = read_log(store)
     if as_json:

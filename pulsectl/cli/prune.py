@@ -8,7 +8,6 @@ import typer
 
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
-from pulsectl.store.prune import prune as prune_store
 
 
 def prune(
@@ -28,6 +27,8 @@ def prune(
     ] = False,
 ) -> None:
     """Delete old steps of STORE; every kept step stays pullable. Deleted keys go to stdout."""
+    from pulsectl.store.prune import prune as prune_store
+
     out: Output = ctx.obj
     plan = prune_store(store, keep_anchors=keep_anchors, keep_steps=keep_steps, dry_run=dry_run)
     for key, _size in plan.deletions:

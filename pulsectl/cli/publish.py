@@ -7,21 +7,16 @@ from typing import Annotated
 
 import typer
 
-from pulsectl._io import default_workers
+from pulsectl._names import (
+    CACHE_ENV,
+    DEFAULT_ANCHOR_EVERY,
+    DEFAULT_LEVEL,
+    DEFAULT_MAX_PATCH_FRACTION,
+)
 from pulsectl.cli._options import Checkpoint, Workers
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
 from pulsectl.cli.diff import parse_level
-from pulsectl.diff import DEFAULT_LEVEL
-from pulsectl.store.publish import (
-    CACHE_ENV,
-    DEFAULT_ANCHOR_EVERY,
-    DEFAULT_MAX_PATCH_FRACTION,
-    PublishOptions,
-)
-from pulsectl.store.publish import (
-    publish as publish_step,
-)
 
 
 def publish(
@@ -70,6 +65,10 @@ def publish(
     workers: Workers = None,
 ) -> None:
     """Add CKPT to STORE as the next step: a patch against the last step, or a full anchor."""
+    from pulsectl._io import default_workers
+    from pulsectl.store.publish import PublishOptions
+    from pulsectl.store.publish import publish as publish_step
+
     out: Output = ctx.obj
     options = PublishOptions(
         anchor_every=anchor_every,

@@ -7,12 +7,11 @@ from typing import Annotated
 
 import typer
 
+from pulsectl._names import DEFAULT_PREFETCH
 from pulsectl.cli._options import Force, Workers
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
 from pulsectl.errors import UsageError
-from pulsectl.store.pull import DEFAULT_PREFETCH
-from pulsectl.store.pull import pull as pull_step
 
 
 def pull(
@@ -35,6 +34,8 @@ def pull(
     workers: Workers = None,
 ) -> None:
     """Rebuild a step of STORE at CKPT: from CKPT or an anchor, verified, atomically."""
+    from pulsectl.store.pull import pull as pull_step
+
     out: Output = ctx.obj
     number = parse_step(step)
     summary = pull_step(

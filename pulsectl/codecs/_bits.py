@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 
-from pulsectl.codecs import _zstd
+from pulsectl import _zstd
 from pulsectl.errors import CorruptPatchError
 
 MAX_RICE_K = 31

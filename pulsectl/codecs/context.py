@@ -22,7 +22,7 @@ import struct
 
 import numpy as np
 
-from pulsectl.codecs import _zstd
+from pulsectl import _zstd
 from pulsectl.codecs._bits import (
     MAX_RICE_K,
     best_rice,

@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from pulsectl.codecs import _zstd
+from pulsectl import _zstd
 from pulsectl.errors import CorruptPatchError
 
 _HEAD = struct.Struct("<IBBH")

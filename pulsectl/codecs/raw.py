@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pulsectl.codecs import _zstd
+from pulsectl import _zstd
 
 
 def compress(new: np.ndarray, level: int) -> bytes:

@@ -41,9 +41,12 @@ from pulsectl.store.layout import (
 
 Log = Callable[[str], None]
 
-DEFAULT_ANCHOR_EVERY = 10
-DEFAULT_MAX_PATCH_FRACTION = 0.5
-CACHE_ENV = "PULSECTL_CACHE_DIR"
+from pulsectl._names import (  # noqa: E402  (constants the CLI reads without this module)
+    CACHE_ENV,
+    DEFAULT_ANCHOR_EVERY,
+    DEFAULT_MAX_PATCH_FRACTION,
+)
+
 HEAD_STATE = "head.json"
 
 

@@ -35,7 +35,7 @@ from pulsectl.store.layout import StepManifest, StoredFile, manifest_key
 
 Log = Callable[[str], None]
 
-DEFAULT_PREFETCH = 2  # objects fetched ahead of the patch being applied
+from pulsectl._names import DEFAULT_PREFETCH  # noqa: E402  (the CLI reads it without this module)
 
 
 @dataclass(frozen=True)
