@@ -1,3 +1,3 @@
-from pulsectl.cli.app import run
+from pulsectl.cli.entry import run
 
 run()
