@@ -241,6 +241,7 @@ def bench_pair(
     rec["cp"] = {
         "wall_s": min(r["wall_s"] for r in runs),
         "walls_s": [r["wall_s"] for r in runs],
+        "cpu_s": min(r["cpu_s"] for r in runs),
         "max_rss_bytes": max(r["max_rss_bytes"] for r in runs),
     }
 
@@ -379,7 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--json", type=Path, default=None, help="raw results (default OUT/benchmarks.json)"
     )
+    ap.add_argument(
+        "--render-only",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only rewrite --doc from the raw results of an earlier run",
+    )
     args = ap.parse_args(argv)
+    if args.render_only:
+        args.doc.write_text(report.render(json.loads(args.render_only.read_text())))
+        log(f"wrote {args.doc} from {args.render_only}")
+        return 0
     args.preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.json = args.json or args.out / "benchmarks.json"
