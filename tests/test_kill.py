@@ -143,8 +143,10 @@ def check_exit(sig: signal.Signals, code: int, err: str, delay: float) -> None:
     elif code != 0 and "pulsectl: error:" not in err:
         assert code in (1, -signal.SIGINT, -signal.SIGTERM), where
     else:
-        assert code in (0, 130), where
-        if code == 130:
+        # After pulsectl's line, CPython may still end the process by SIGINT (it does so when
+        # it saw a KeyboardInterrupt it considers unhandled): a shell reads that as 130 too.
+        assert code in (0, 130, -signal.SIGINT), where
+        if code != 0:
             assert err.strip() == "pulsectl: error: interrupted; no output was written", where
 
 
