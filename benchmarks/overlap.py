@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--rates", default="2,5,25,100,400")
     parser.add_argument(
-        "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-overlap"
+        "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-bench" / "overlap"
     )
     parser.add_argument("--repeat", type=int, default=2, help="runs per figure (best is kept)")
     args = parser.parse_args()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from benchmarks import breakdown, entropy, measure, report, v31  # noqa: E402
+from benchmarks import breakdown, entropy, extras, measure, report, v31  # noqa: E402
 from benchmarks.chains import ensure_chain, step_path  # noqa: E402
 from benchmarks.tensors import data_region, largest_tensor_bytes, load_pairs  # noqa: E402
 
@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render_only:
-        args.doc.write_text(report.render(json.loads(args.render_only.read_text())))
+        args.doc.write_text(
+            report.render(json.loads(args.render_only.read_text())) + extras.render(args.out)
+        )
         log(f"wrote {args.doc} from {args.render_only}")
         return 0
     args.preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
@@ -430,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     results["total_s"] = round(time.perf_counter() - t_start, 1)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
-    args.doc.write_text(report.render(results))
+    args.doc.write_text(report.render(results) + extras.render(args.out))
     log(f"wrote {args.doc} and {args.json} ({results['total_s']}s)")
     return 0
 
