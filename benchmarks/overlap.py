@@ -77,6 +77,13 @@ def make_pair(root: Path, size_mb: int, seed: int = 0) -> tuple[Path, Path]:
     return a, b
 
 
+def settle(*outputs: Path) -> None:
+    """Every timed run starts alike: no old output to unlink, no dirty pages to write back."""
+    for path in outputs:
+        path.unlink(missing_ok=True)
+    os.sync()
+
+
 def run(cmd: list[str], **kw) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, **kw)
@@ -96,7 +103,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-bench" / "overlap"
     )
-    parser.add_argument("--repeat", type=int, default=2, help="runs per figure (best is kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (median kept)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pulsectl = shutil.which("pulsectl") or sys.exit("pulsectl is not on PATH (pip install -e .)")
@@ -110,7 +117,12 @@ def main() -> None:
         f.read_bytes()  # page cache, as for every run below
 
     def best(fn) -> float:
-        return min(fn() for _ in range(args.repeat))
+        """The median of ``--repeat`` runs, each from a settled state."""
+        times = []
+        for _ in range(args.repeat):
+            settle(out, received)
+            times.append(fn())
+        return sorted(times)[len(times) // 2]
 
     compute = best(lambda: run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"]))
     rows = []
