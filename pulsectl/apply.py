@@ -23,7 +23,7 @@ import numpy as np
 from pulsectl._atomic import check_target, install, os_error, remove, temp_path
 from pulsectl._io import default_workers, overlapped_map, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
-from pulsectl.codecs import decode_block
+from pulsectl.codecs import decode_block, decode_moves
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
@@ -71,11 +71,13 @@ def apply_patches(
     progress: Progress | None = None,
     stdin: BinaryIO | None = None,
     durable: bool = False,
+    device: str | None = None,
 ) -> ApplySummary:
     """Apply ``patches`` in order to ``base`` and write the verified result to ``out``.
 
     The result appears at ``out`` only once verified (temp file, then rename); ``durable`` also
-    fsyncs it before the rename.
+    fsyncs it before the rename. ``device`` (a torch device name) scatters the decoded changes
+    into the base blocks there; None does it with numpy.
     """
     base_path = Path(base)
     if not patches:
@@ -158,7 +160,7 @@ def apply_patches(
                 temps.append(dest)
                 last = batch[-1] == len(opened) - 1
                 refs, current_fp = _apply_parts(
-                    parts, current, dest, workers, progress, durable and last
+                    parts, current, dest, workers, progress, durable and last, device
                 )
                 if len(temps) > 1:
                     remove(temps.pop(0))
@@ -251,6 +253,7 @@ def _apply_parts(
     workers: int,
     progress: Progress | None,
     durable: bool = False,
+    device: str | None = None,
 ) -> tuple[list[FileRef], str]:
     """Write ``dest`` in one pass from one full patch, or from block patches of disjoint tensors.
 
@@ -323,6 +326,7 @@ def _apply_parts(
                         None if start is None else start + b * bb,
                         reader.name,
                         item.name,
+                        device,
                     )
 
         # Reading the patch (often a pipe), decoding and writing overlap (ParaBlock).
@@ -524,13 +528,23 @@ def _decode_task(
     base_offset: int | None,
     patch_name: str,
     tensor: str | None,
+    device: str | None = None,
 ) -> Callable[[], np.ndarray]:
     def run() -> np.ndarray:
         old = None
         if base_file is not None and base_offset is not None:
             old = base_fds.read(base_file, base_offset, size)
         try:
-            out = decode_block(codec, payload, old, size, word)
+            moves = None
+            if device is not None and old is not None:
+                moves = decode_moves(codec, payload, old, word)
+            if moves is not None:
+                from pulsectl.device import apply_moves
+
+                assert old is not None and device is not None
+                out = apply_moves(old, moves[0], moves[1], word, device)
+            else:
+                out = decode_block(codec, payload, old, size, word)
         except CorruptPatchError as exc:
             raise CorruptPatchError(
                 f"{patch_name}: tensor {tensor or '<file>'!r}: {exc}",

@@ -66,3 +66,19 @@ def _on(x: Any, device: str) -> Any:
 
     t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
     return t.to(device, non_blocking=True)
+
+
+def apply_moves(
+    old: np.ndarray, positions: np.ndarray, moved: np.ndarray, word: int, device: str
+) -> np.ndarray:
+    """``old`` with ``moved`` added at ``positions`` (words), the scatter done on ``device``."""
+    import torch
+
+    if not _WORD_DTYPES:
+        _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    dtype = _WORD_DTYPES[word]
+    signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[word]
+    block = _on(old.copy(), device).view(dtype)
+    index = torch.from_numpy(positions).to(device)
+    block.index_add_(0, index, torch.from_numpy(moved.view(signed)).to(device))  # wraps
+    return block.view(torch.uint8).cpu().numpy()

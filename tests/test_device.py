@@ -108,3 +108,23 @@ def test_cli_device_flag(chain, tmp_path: Path):
         )
         == 2
     )
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_apply_scatter_on_a_device_gives_the_same_bytes(chain, tmp_path: Path, context):
+    from pulsectl.apply import apply_patches
+    from pulsectl.diff import diff_to_path
+
+    patch = tmp_path / "p.pulse"
+    diff_to_path(
+        chain[0], chain[2], patch, options=DiffOptions(context=context, level=19 if context else 3)
+    )
+    for device in (None, "cpu"):
+        out = tmp_path / f"out-{device}.safetensors"
+        apply_patches(chain[0], [patch], out, device=device)
+        assert out.read_bytes() == chain[2].read_bytes()
+    assert (
+        main(["apply", str(chain[0]), str(patch), "--device", "auto", "-o", str(tmp_path / "c.st")])
+        == 0
+    )
+    assert (tmp_path / "c.st").read_bytes() == chain[2].read_bytes()

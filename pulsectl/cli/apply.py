@@ -28,9 +28,19 @@ def apply(
     force: Force = False,
     fsync: Fsync = False,
     workers: Workers = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="auto, cpu or cuda[:N]: where decoded changes are scattered into the base "
+            "(auto: CUDA when torch sees a GPU). The output is the same on every device.",
+        ),
+    ] = "cpu",
 ) -> None:
     """Apply a chain of patches to BASE; the result is verified before it appears at OUT."""
     from pulsectl.apply import apply_patches
+    from pulsectl.device import resolve
 
     out: Output = ctx.obj
     with out.progress("apply") as progress:
@@ -43,6 +53,7 @@ def apply(
             workers=workers,
             progress=progress,
             durable=fsync,
+            device=resolve(device),
         )
     out.info(
         f"wrote {summary.output} ({summary.target_bytes:,} bytes, fingerprint "

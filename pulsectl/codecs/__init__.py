@@ -94,6 +94,22 @@ def _smallest_raw(new: np.ndarray, level: int, changed: int) -> EncodedBlock:
     return EncodedBlock(CODEC_STORE, new.tobytes(), changed)
 
 
+def decode_moves(
+    codec: int, payload: bytes, old: np.ndarray, word: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """For a delta block (codecs 3, 4, 5): its changed word positions and their moves
+    (``new - old``, unsigned), so the caller can scatter them itself (e.g. on a GPU).
+    None for the other codecs."""
+    nwords = old.size // word
+    if codec == CODEC_DELTA:
+        return delta.decode_moves(payload, word, nwords)
+    if codec == CODEC_RICE:
+        return rice.decode_moves(payload, word, nwords)
+    if codec == CODEC_CONTEXT:
+        return context.decode_moves(old, payload, word)
+    return None
+
+
 def decode_block(
     codec: int, payload: bytes, old: np.ndarray | None, nbytes: int, word: int
 ) -> np.ndarray:

@@ -111,6 +111,15 @@ def encode(
 
 def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a context-delta payload."""
+    positions, moved = decode_moves(old, payload, word)
+    out = old.copy()
+    words = out.view(_UINT[word])
+    words[positions] = words[positions] + moved
+    return out
+
+
+def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (found with the base's keys) and moves of a context-delta payload."""
     view = memoryview(payload)
     if len(payload) < _HEAD.size:
         raise CorruptPatchError("context block is shorter than its header")
@@ -154,11 +163,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     if np.any(ranks[last] >= sizes[present]):
         raise CorruptPatchError("context block points past the end of a context")
     positions = perm[np.repeat(starts[present], counts) + ranks]
-    moved = unpack_moves(view, offset, count, word)
-    out = old.copy()
-    words = out.view(_UINT[word])
-    words[positions] = words[positions] + moved
-    return out
+    return positions, unpack_moves(view, offset, count, word)
 
 
 def decode_moves_only(payload: bytes, word: int) -> np.ndarray:
