@@ -37,6 +37,7 @@ from pulsectl.hashing import checkpoint_fingerprint, fingerprint_range, new_hash
 from pulsectl.inventory import file_refs, fingerprint_of
 from pulsectl.patch import (
     FileRef,
+    Item,
     PatchHeader,
     PatchTrailer,
     TargetFile,
@@ -410,14 +411,7 @@ def _apply_parts(
             for index, (item, want) in enumerate(zip(header.items, trailer.items, strict=True)):
                 got = item_fps[(p, index)]
                 if got != want.fingerprint:
-                    raise IntegrityError(
-                        f"{reader.name}: tensor {item.label!r} came out with fingerprint {got}, "
-                        f"the patch says {want.fingerprint}; the output was discarded",
-                        path=reader.name,
-                        tensor=item.name,
-                        expected=want.fingerprint,
-                        actual=got,
-                    )
+                    raise _tensor_mismatch(reader.name, item, want.fingerprint, got)
         elif [(r.path, r.size, r.fingerprint) for r in computed_files] != [
             (r.path, r.size, r.fingerprint) for r in trailer.target_files
         ] or target_fp != trailer.target_fingerprint:
@@ -487,6 +481,17 @@ def _copy_chunks(
         yield source.read(file_index, offset + off, min(_HASH_CHUNK, nbytes - off))
 
 
+def _tensor_mismatch(name: str, item: Item, want: str, got: str) -> IntegrityError:
+    return IntegrityError(
+        f"{name}: tensor {item.label!r} came out with fingerprint {got}, the patch says "
+        f"{want}; the output was discarded",
+        path=name,
+        tensor=item.name,
+        expected=want,
+        actual=got,
+    )
+
+
 def _output_path(dest: Path, layout: str, relpath: str) -> Path:
     return dest if layout == "file" else dest / relpath
 
@@ -501,14 +506,7 @@ def _wrong_output(
             _output_path(dest, header.layout, tfile.path), item.start, item.nbytes
         )
         if got != want.fingerprint:
-            return IntegrityError(
-                f"{name}: tensor {item.label!r} came out with fingerprint {got}, "
-                f"the patch says {want.fingerprint}; the output was discarded",
-                path=name,
-                tensor=item.name,
-                expected=want.fingerprint,
-                actual=got,
-            )
+            return _tensor_mismatch(name, item, want.fingerprint, got)
     return IntegrityError(
         f"{name}: output fingerprint {target_fp} differs from the patch's target "
         f"{trailer.target_fingerprint}; the output was discarded",
