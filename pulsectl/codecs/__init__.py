@@ -79,7 +79,9 @@ def encode_block(
         if len(payload) < len(best.payload):
             best = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
     if positions.size > _DENSE_FRACTION * nwords:
-        alt = _smallest_raw(new, level, positions.size)
+        # Changed words are mostly random mantissa bits: a high zstd level buys nothing on them
+        # and costs seconds per block, so the raw alternative is probed at a fast level.
+        alt = _smallest_raw(new, min(level, _PROBE_LEVEL), positions.size)
         if len(alt.payload) < len(best.payload):
             best = alt
     if len(best.payload) >= new.size:
