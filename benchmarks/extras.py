@@ -29,7 +29,9 @@ def _overlap(r: dict[str, Any]) -> str:
         f"(~1% of words moved by one unit), patch {r['patch_bytes']:,} bytes, {r['cores']} cores. "
         "The patch goes through a pipe paced at each rate; *sequential* receives it whole, then "
         "applies it; *overlapped* is `pulsectl apply BASE -` reading the pipe; *ideal* is "
-        "max(transfer, compute), where compute is `apply` from a local file.",
+        "max(transfer, compute), where compute is `apply` from a local file, measured beside "
+        "each rate. Each figure is the median of 3 runs, each started with no old output and "
+        "no dirty pages.",
         "",
         "| MB/s | transfer s | compute s | sequential s | overlapped s | ideal s "
         "| overlapped / ideal | saved vs sequential |",

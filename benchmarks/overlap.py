@@ -7,7 +7,7 @@ It writes a pair of BF16 checkpoints (N(0, 0.02) weights, ~1% of the words moved
 like one RL step), makes the patch, then for each rate R (MB/s) measures:
 
 - transfer: the patch pushed through a pipe at R (a paced writer process), read to a file;
-- compute: `pulsectl apply` from a local file;
+- compute: `pulsectl apply` from a local file (measured beside each rate);
 - sequential: transfer, then apply from the file;
 - overlapped: `pulsectl apply BASE -` reading the paced pipe;
 - ideal: max(transfer, compute).
@@ -124,9 +124,13 @@ def main() -> None:
             times.append(fn())
         return sorted(times)[len(times) // 2]
 
-    compute = best(lambda: run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"]))
+    def apply_local() -> float:
+        return run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"])
+
+    apply_local()  # warm-up: the first apply after writing the inputs runs slower
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
+        compute = best(apply_local)  # measured beside each rate, under the same conditions
 
         def transfer(rate: float = rate) -> float:
             t0 = time.perf_counter()
