@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -26,3 +26,16 @@ Fsync = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def device_option(what: str) -> Any:
+    """``--device auto|cpu|cuda[:N]``; ``what`` says what runs on the device."""
+    return typer.Option(
+        "--device",
+        metavar="DEVICE",
+        help=f"auto, cpu or cuda[:N]: where {what} (auto: CUDA when torch sees a GPU). "
+        "The result is the same on every device.",
+    )
+
+
+FindDevice = Annotated[str, device_option("changed words are found")]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pulsectl.cli._options import BaseCheckpoint, Force, Fsync, Workers
+from pulsectl.cli._options import BaseCheckpoint, Force, Fsync, Workers, device_option
 from pulsectl.cli._output import Output
 
 
@@ -28,15 +28,7 @@ def apply(
     force: Force = False,
     fsync: Fsync = False,
     workers: Workers = None,
-    device: Annotated[
-        str,
-        typer.Option(
-            "--device",
-            metavar="DEVICE",
-            help="auto, cpu or cuda[:N]: where decoded changes are scattered into the base "
-            "(auto: CUDA when torch sees a GPU). The output is the same on every device.",
-        ),
-    ] = "cpu",
+    device: Annotated[str, device_option("decoded changes are scattered into the base")] = "cpu",
 ) -> None:
     """Apply a chain of patches to BASE; the result is verified before it appears at OUT."""
     from pulsectl.apply import apply_patches

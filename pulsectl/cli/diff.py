@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL
-from pulsectl.cli._options import Force, Fsync, NewCheckpoint, OldCheckpoint, Workers
+from pulsectl.cli._options import FindDevice, Force, Fsync, NewCheckpoint, OldCheckpoint, Workers
 from pulsectl.cli._output import Output, binary_stdout
 from pulsectl.errors import UsageError
 
@@ -44,15 +44,7 @@ def diff(
         ),
     ] = str(DEFAULT_LEVEL),
     workers: Workers = None,
-    device: Annotated[
-        str,
-        typer.Option(
-            "--device",
-            metavar="DEVICE",
-            help="auto, cpu or cuda[:N]: where changed words are found (auto: CUDA when torch "
-            "sees a GPU). The result is the same on every device.",
-        ),
-    ] = "auto",
+    device: FindDevice = "auto",
     tensors: Annotated[
         list[str] | None,
         typer.Option(

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from pulsectl._names import DEFAULT_KS
-from pulsectl.cli._options import JsonFlag, Workers
+from pulsectl.cli._options import FindDevice, JsonFlag, Workers
 from pulsectl.cli._output import Output
 from pulsectl.errors import UsageError
 
@@ -40,15 +40,7 @@ def stats(
     ] = None,
     top: Annotated[int, typer.Option("--top", help="Tensors listed, most changes first.")] = 10,
     workers: Workers = None,
-    device: Annotated[
-        str,
-        typer.Option(
-            "--device",
-            metavar="DEVICE",
-            help="auto, cpu or cuda[:N]: where changed words are found (auto: CUDA when torch "
-            "sees a GPU). The result is the same on every device.",
-        ),
-    ] = "auto",
+    device: FindDevice = "auto",
 ) -> None:
     """Changed words, density, patch size and word-delta histogram, by layer and kind."""
     from pulsectl.device import resolve
