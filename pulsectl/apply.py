@@ -122,12 +122,16 @@ def apply_patches(
                 "apply the patch to the checkpoint it was made from",
                 path=str(base_path),
             )
-        refs = file_refs(current)
-        current_fp = fingerprint_of(current, refs)
         if first_header.scope == "tensors":
+            # A block patch binds its own tensors only: no need to hash the whole base.
+            refs: list[FileRef] = []
+            current_fp = ""
             _check_block_base(first_header, current, base_path, first.name)
-        elif current_fp != first_header.base_fingerprint:
-            raise _wrong_base(first_header, current, refs, base_path, first.name)
+        else:
+            refs = file_refs(current)
+            current_fp = fingerprint_of(current, refs)
+            if current_fp != first_header.base_fingerprint:
+                raise _wrong_base(first_header, current, refs, base_path, first.name)
         _check_space(out_path, first_header.target_bytes)
 
         temps: list[Path] = []
