@@ -14,19 +14,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from trainer import make_model  # the same architecture as the trainer (docs/examples/)
 
 from pulsectl.torch_api import apply_patch, state_dict_fingerprint
-
-
-def make_model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Embedding(512, 64),
-        torch.nn.Linear(64, 256),
-        torch.nn.GELU(),
-        torch.nn.Linear(256, 64),
-        torch.nn.LayerNorm(64),
-        torch.nn.Linear(64, 512),
-    ).to(torch.bfloat16)
 
 
 def main() -> None:
@@ -34,7 +24,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
 
-    model = make_model()
+    model = make_model().to(torch.bfloat16)
     model.load_state_dict(load_file(args.out / "anchor.safetensors"))
     weights = model.state_dict()  # shares storage with the parameters
     for path in sorted(args.out.glob("step_*.pulse")):
