@@ -1,11 +1,13 @@
 """apply: a base checkpoint and a chain of patches in, the exact target checkpoint out.
 
-base fingerprint checked against the first patch (nothing written before that)
-  -> for each patch: PatchReader (file or pipe, frame by frame)
-     -> blocks decoded on a worker pool against the base (pread)
-     -> files written in order to a temp path in OUT's folder, hashed as written
+base files and sizes checked against the first patch
+  -> for each patch: PatchReader (file or pipe, frame by frame, on its own thread)
+     -> workers: base block read (pread, reused buffers), decoded, written at its offset
+        in a temp path in OUT's folder (pwrite)
+     -> this thread, in order: each base tensor hashed and checked against the patch's
+        base_fingerprint, each output file hashed
      -> trailer: file checksum and every target fingerprint checked
-  -> the verified temp renamed to OUT
+  -> the verified temp renamed to OUT (a failure anywhere removes the temp)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pulsectl._atomic import check_target, install, os_error, remove, temp_path
-from pulsectl._io import default_workers, overlapped_map, window_for
+from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
@@ -34,7 +37,6 @@ from pulsectl.format import (
     read_trailer_at_end,
 )
 from pulsectl.hashing import checkpoint_fingerprint, fingerprint_range, new_hasher
-from pulsectl.inventory import file_refs, fingerprint_of
 from pulsectl.patch import (
     FileRef,
     Item,
@@ -44,7 +46,7 @@ from pulsectl.patch import (
     header_from_json,
     trailer_from_json,
 )
-from pulsectl.sources import FileSource, scan
+from pulsectl.sources import FileSource
 
 Progress = Callable[[int, int], None]
 
@@ -128,10 +130,10 @@ def apply_patches(
             current_fp = ""
             _check_block_base(first_header, current, base_path, first.name)
         else:
-            refs = file_refs(current)
-            current_fp = fingerprint_of(current, refs)
-            if current_fp != first_header.base_fingerprint:
-                raise _wrong_base(first_header, current, refs, base_path, first.name)
+            # Each base tensor is checked against the patch while it is read (one pass).
+            refs = list(first_header.base_files)
+            current_fp = first_header.base_fingerprint
+            _check_base_files(first_header, current, base_path, first.name)
         _check_space(out_path, first_header.target_bytes)
 
         temps: list[Path] = []
@@ -251,6 +253,41 @@ def _apply_one(
     return _apply_parts([(reader, header)], base, dest, workers, progress, durable)
 
 
+@dataclass(frozen=True)
+class _Prefix:
+    """A safetensors file's length prefix and header."""
+
+    file: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One block of an item: decoded against the base, written at its offset."""
+
+    part: int  # which patch of ``parts``
+    index: int  # item index in that patch
+    block: int
+    last: bool
+    file: int
+    offset: int  # in the output file
+    size: int
+    base_file: int | None
+    base_offset: int | None
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """Block patches: bytes of BASE outside the patched tensors, copied as they are."""
+
+    file: int
+    offset: int  # the same in BASE's file and the output
+    size: int
+
+
+_Step = _Prefix | _Block | _Copy
+
+
 def _apply_parts(
     parts: list[tuple[PatchReader, PatchHeader]],
     base: Checkpoint,
@@ -263,147 +300,120 @@ def _apply_parts(
     """Write ``dest`` in one pass from one full patch, or from block patches of disjoint tensors.
 
     Block patches are read side by side, each front to back, taking each tensor's frame from
-    the patch that has it; every other byte comes from BASE.
+    the patch that has it; every other byte comes from BASE. Workers read the base blocks,
+    decode and write them at their offsets; this thread hashes, in order, what each base
+    tensor was (its ``base_fingerprint``) and what was written (the target fingerprints).
     """
+    plan = _plan(parts, base)
     first = parts[0][1]
     partial = first.scope == "tensors"
-    bb = first.block_bytes
-    owner: dict[str, tuple[int, int]] = {}  # block patches: tensor name -> (part, item index)
-    if partial:
-        for p, (_, h) in enumerate(parts):
-            for i, item in enumerate(h.items):
-                owner[item.name or ""] = (p, i)
-        schedule = [
-            owner[t.name]
-            for f in first.files
-            if f.header is not None
-            for t in f.header.tensors
-            if t.name in owner
-        ]
-    else:
-        schedule = [(0, i) for i in range(len(first.items))]
-    base_tensors: list[dict[str, TensorInfo]] = [
-        {t.name: t for t in e.header.tensors} if e.header is not None else {} for e in base.files
-    ]
-
-    def base_start(p: int, index: int) -> int | None:
-        reader, header = parts[p]
-        item = header.items[index]
-        if item.base_file is None:
-            return None
-        if item.base_name is None:
-            found_size = base.files[item.base_file].size
-            start = 0
-        else:
-            info = base_tensors[item.base_file].get(item.base_name)
-            if info is None:
-                raise CorruptPatchError(
-                    f"{reader.name}: item {item.label!r} refers to a base tensor that is not there"
-                )
-            found_size, start = info.nbytes, info.start
-        if found_size != item.nbytes:
-            raise CorruptPatchError(
-                f"{reader.name}: item {item.label!r} and its base differ in size", tensor=item.name
-            )
-        return start
-
     total = first.target_bytes
-    with FileSource(base) as base_fds:
+    pool = BufferPool(keep=2 * window_for(workers, first.block_bytes) + 4)
+    paths = [_output_path(dest, first.layout, f.path) for f in first.files]
+    if first.layout == "dir":
+        dest.mkdir()
+    fds: list[int] = []
+    with FileSource(base) as base_fds, contextlib.ExitStack() as closing:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            except OSError as exc:
+                raise os_error(exc, path) from exc
+            closing.callback(os.close, fd)
+            fds.append(fd)
 
-        def tasks() -> Iterator[Callable[[], np.ndarray]]:
-            for p, index in schedule:
-                reader, header = parts[p]
-                item = header.items[index]
-                nblocks = blocks_in(item.nbytes, bb)
-                reader.read_frame(index, nblocks)
-                start = base_start(p, index)
-                for b in range(nblocks):
-                    size = min(bb, item.nbytes - b * bb)
-                    where = f"tensor {item.label!r} block {b}"
-                    block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, where)
+        def write(file: int, data: np.ndarray | bytes, offset: int) -> None:
+            try:
+                pwrite_all(fds[file], data, offset)
+            except OSError as exc:
+                raise os_error(exc, paths[file]) from exc
+
+        def tasks() -> Iterator[Callable[[], tuple[Any, Any]]]:
+            chain = _Chain()
+            for step in plan:
+                if isinstance(step, _Prefix):
+                    yield _prefix_task(step, write)
+                elif isinstance(step, _Copy):
+                    yield _copy_task(step, base_fds, pool, write)
+                else:
+                    reader, header = parts[step.part]
+                    item = header.items[step.index]
+                    if step.block == 0:
+                        chain = _Chain()
+                        nblocks = blocks_in(item.nbytes, first.block_bytes)
+                        reader.read_frame(step.index, nblocks)
+                        if nblocks == 0:
+                            yield _EMPTY_TASK
+                            continue
+                    where = f"tensor {item.label!r} block {step.block}"
+                    block = reader.read_block(first.block_bytes + BLOCK_PAYLOAD_SLACK, where)
                     yield _decode_task(
+                        step,
                         block.codec,
                         block.payload,
-                        item.word,
-                        size,
+                        item,
                         base_fds,
-                        item.base_file,
-                        None if start is None else start + b * bb,
+                        pool,
+                        write,
+                        chain,
                         reader.name,
-                        item.name,
                         device,
                     )
 
         # Reading the patch (often a pipe), decoding and writing overlap (ParaBlock).
-        results = overlapped_map(tasks(), workers, window_for(workers, bb))
-        computed_files: list[FileRef] = []
+        results = overlapped_map(tasks(), workers, window_for(workers, first.block_bytes))
+        wholes = [new_hasher() for _ in first.files]
+        written = [0] * len(first.files)
         item_fps: dict[tuple[int, int], str] = {}  # block patches: each tensor's fingerprint
+        item_h: Any = None
         done = 0
-        step = 0  # position in the schedule
-
-        def write_item(f: BinaryIO, whole: Any) -> int:
-            nonlocal step, done
-            p, index = schedule[step]
-            item = parts[p][1].items[index]
-            h = new_hasher() if partial else None
-            for _ in range(blocks_in(item.nbytes, bb)):
-                data = next(results)
-                f.write(memoryview(data))
-                whole.update(data)
-                if h is not None:
-                    h.update(data)
-                done += data.size
-                if progress is not None:
-                    progress(done, total)
-            if h is not None:
-                item_fps[(p, index)] = h.hexdigest()
-            step += 1
-            return item.nbytes
-
-        def next_is_in(file_index: int) -> bool:
-            if step >= len(schedule):
-                return False
-            p, index = schedule[step]
-            return parts[p][1].items[index].file == file_index
-
-        if first.layout == "dir":
-            dest.mkdir()
-        for file_index, tfile in enumerate(first.files):
-            path = _output_path(dest, first.layout, tfile.path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Only whole files are hashed while writing; the per-tensor fingerprints are
-            # recomputed from the written file only if a file does not match (to name the tensor).
-            whole = new_hasher()
-            written = 0
+        for step in plan:
             try:
-                with open(path, "wb") as f:
-                    if tfile.header is not None:
-                        prefix = struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw
-                        f.write(prefix)
-                        whole.update(prefix)
-                        written += len(prefix)
-                    if partial:
-                        # Block patches: their tensors decoded, every other byte from BASE.
-                        for name, offset, size in _spans(tfile, base, file_index):
-                            if name is not None and name in owner:
-                                written += write_item(f, whole)
-                                continue
-                            for data in _copy_chunks(base_fds, file_index, offset, size):
-                                f.write(memoryview(data))
-                                whole.update(data)
-                                written += data.size
-                    else:
-                        while next_is_in(file_index):
-                            written += write_item(f, whole)
-                    f.flush()
-                    if durable:
-                        os.fsync(f.fileno())
-            except OSError as exc:
-                raise os_error(exc, path) from exc
-            computed_files.append(FileRef(tfile.path, written, whole.hexdigest()))
-        # An item list that ends before the last file's items would leave results unread.
-        if step != len(schedule) or next(results, None) is not None:
+                chain, new = next(results)
+            except CorruptPatchError as exc:
+                if isinstance(step, _Block):
+                    # Decoding against the wrong base can fail before its fingerprint is known.
+                    reader, header = parts[step.part]
+                    _check_item_base(header.items[step.index], base, reader.name, exc, partial)
+                raise
+            wholes[step.file].update(new)
+            written[step.file] += len(new)
+            if isinstance(step, _Block):
+                reader, header = parts[step.part]
+                item = header.items[step.index]
+                if step.block == 0:
+                    item_h = new_hasher() if partial else None
+                if item_h is not None:
+                    item_h.update(new)
+                if step.last:
+                    if (
+                        chain is not None
+                        and chain.fed
+                        and chain.hexdigest() != item.base_fingerprint
+                    ):
+                        raise _wrong_base_tensor(
+                            item, base, chain.hexdigest(), reader.name, partial
+                        )
+                    if item_h is not None:
+                        item_fps[(step.part, step.index)] = item_h.hexdigest()
+            pool.give(new)
+            done += len(new)
+            if progress is not None:
+                progress(done, total)
+        # Every task has run; let the patch reader thread finish before reading the trailers.
+        if next(results, None) is not None:
             raise CorruptPatchError(f"{parts[0][0].name}: items are not in file order")
+        if durable:
+            for fd, path in zip(fds, paths, strict=True):
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    raise os_error(exc, path) from exc
+    computed_files = [
+        FileRef(f.path, n, h.hexdigest())
+        for f, n, h in zip(first.files, written, wholes, strict=True)
+    ]
 
     target_fp = checkpoint_fingerprint(
         first.layout, ((r.path, r.size, r.fingerprint) for r in computed_files)
@@ -423,8 +433,156 @@ def _apply_parts(
     return computed_files, target_fp
 
 
+def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> list[_Step]:
+    """Every write of the output, in file order, checked before anything is written."""
+    first = parts[0][1]
+    bb = first.block_bytes
+    partial = first.scope == "tensors"
+    base_tensors: list[dict[str, TensorInfo]] = [
+        {t.name: t for t in e.header.tensors} if e.header is not None else {} for e in base.files
+    ]
+
+    def item_steps(p: int, index: int) -> Iterator[_Block]:
+        reader, header = parts[p]
+        item = header.items[index]
+        start: int | None = None
+        if item.base_file is not None:
+            if item.base_name is None:
+                found_size, start = base.files[item.base_file].size, 0
+            else:
+                info = base_tensors[item.base_file].get(item.base_name)
+                if info is None:
+                    raise CorruptPatchError(
+                        f"{reader.name}: item {item.label!r} refers to a base tensor that is "
+                        "not there"
+                    )
+                found_size, start = info.nbytes, info.start
+            if found_size != item.nbytes:
+                raise CorruptPatchError(
+                    f"{reader.name}: item {item.label!r} and its base differ in size",
+                    tensor=item.name,
+                )
+        n = blocks_in(item.nbytes, bb)
+        if n == 0:  # an empty tensor: a frame with no blocks
+            yield _Block(p, index, 0, True, item.file, item.start, 0, None, None)
+        for b in range(n):
+            yield _Block(
+                p,
+                index,
+                b,
+                b == n - 1,
+                item.file,
+                item.start + b * bb,
+                min(bb, item.nbytes - b * bb),
+                item.base_file,
+                None if start is None else start + b * bb,
+            )
+
+    owner: dict[str, tuple[int, int]] = {}  # block patches: tensor name -> (part, item index)
+    for p, (_, h) in enumerate(parts if partial else []):
+        for i, item in enumerate(h.items):
+            owner[item.name or ""] = (p, i)
+    plan: list[_Step] = []
+    step = 0  # full patch: position in its items
+    for fi, tfile in enumerate(first.files):
+        at = 0
+        if tfile.header is not None:
+            prefix = struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw
+            plan.append(_Prefix(fi, prefix))
+            at = len(prefix)
+        if partial:
+            for name, offset, size in _spans(tfile, base, fi):
+                if name is not None and name in owner:
+                    plan.extend(item_steps(*owner[name]))
+                else:
+                    plan.extend(
+                        _Copy(fi, offset + off, min(bb, size - off)) for off in range(0, size, bb)
+                    )
+        else:
+            items = first.items
+            while step < len(items) and items[step].file == fi:
+                if items[step].start != at:
+                    raise CorruptPatchError(
+                        f"{parts[0][0].name}: item {items[step].label!r} does not start where "
+                        "the one before it ends"
+                    )
+                plan.extend(item_steps(0, step))
+                at += items[step].nbytes
+                step += 1
+    if not partial and step != len(first.items):
+        raise CorruptPatchError(f"{parts[0][0].name}: items are not in file order")
+    return plan
+
+
+def _empty() -> tuple[None, np.ndarray]:
+    return None, np.empty(0, dtype=np.uint8)
+
+
+_EMPTY_TASK = _empty
+
+Writer = Callable[[int, "np.ndarray | bytes", int], None]
+
+
+def _prefix_task(step: _Prefix, write: Writer) -> Callable[[], tuple[None, bytes]]:
+    def run() -> tuple[None, bytes]:
+        write(step.file, step.data, 0)
+        return None, step.data
+
+    return run
+
+
+def _copy_task(
+    step: _Copy, source: FileSource, pool: BufferPool, write: Writer
+) -> Callable[[], tuple[None, np.ndarray]]:
+    def run() -> tuple[None, np.ndarray]:
+        data = source.read_into(step.file, step.offset, pool.take(step.size))
+        write(step.file, data, step.offset)
+        return None, data
+
+    return run
+
+
+def _check_item_base(
+    item: Item, base: Checkpoint, patch: str, cause: Exception, block: bool = False
+) -> None:
+    """Raise the wrong-base error if ``item``'s base tensor is not the patch's."""
+    if item.base_file is None or item.base_fingerprint is None:
+        return
+    entry = base.files[item.base_file]
+    start, nbytes = 0, entry.size
+    if item.base_name is not None:
+        found = base.find_tensor(item.base_name)
+        if found is None:
+            return
+        start, nbytes = found[1].start, found[1].nbytes
+    have = fingerprint_range(entry.path, start, nbytes)
+    if have != item.base_fingerprint:
+        raise _wrong_base_tensor(item, base, have, patch, block) from cause
+
+
+def _wrong_base_tensor(
+    item: Item, base: Checkpoint, have: str, patch: str, block: bool = False
+) -> IntegrityError:
+    entry = base.files[item.base_file or 0]
+    what = f"tensor {item.base_name!r}" if item.base_name is not None else "file"
+    which = "block patch" if block else "patch"
+    stale = " (stale or already applied?)" if block else ""
+    return IntegrityError(
+        f"{entry.path}: wrong base for {patch}: {what} has fingerprint {have}, the {which} "
+        f"expects {item.base_fingerprint}{stale}; apply the patch to the checkpoint it was "
+        "made from (the partial output was removed)",
+        path=str(entry.path),
+        tensor=item.base_name,
+        expected=item.base_fingerprint,
+        actual=have,
+    )
+
+
 def _check_block_base(header: PatchHeader, base: Checkpoint, base_path: Path, patch: str) -> None:
-    """A block patch applies when BASE has its layout and every tensor it reads is as expected."""
+    """A block patch applies when BASE has its layout (files and headers).
+
+    Each tensor it reads is checked against its ``base_fingerprint`` while it is applied.
+    """
     hint = "apply the patch to the checkpoint it was made from"
     same = [e.relpath for e in base.files] == [f.path for f in header.files] and all(
         (e.header.raw if e.header else None) == (f.header.raw if f.header else None)
@@ -436,33 +594,34 @@ def _check_block_base(header: PatchHeader, base: Checkpoint, base_path: Path, pa
             f"block patch's; {hint}",
             path=str(base_path),
         )
-    with FileSource(base) as source:
-        for item in header.items:
-            assert item.base_file is not None and item.base_name is not None
-            found = base.find_tensor(item.base_name)
-            assert found is not None
-            info = found[1]
-            h = new_hasher()
-            for off in range(0, info.nbytes, _HASH_CHUNK):
-                h.update(
-                    source.read(
-                        item.base_file, info.start + off, min(_HASH_CHUNK, info.nbytes - off)
-                    )
-                )
-            have = h.hexdigest()
-            if have != item.base_fingerprint:
-                raise IntegrityError(
-                    f"{base_path}: wrong base for {patch}: tensor {item.base_name!r} has "
-                    f"fingerprint {have}, the block patch expects {item.base_fingerprint} (stale "
-                    f"or already applied?); {hint}",
-                    path=str(base_path),
-                    tensor=item.base_name,
-                    expected=item.base_fingerprint,
-                    actual=have,
-                )
 
 
-_HASH_CHUNK = 16 * 1024 * 1024
+def _check_base_files(header: PatchHeader, base: Checkpoint, base_path: Path, patch: str) -> None:
+    """The base has the patch's base files, each of the recorded size.
+
+    Every base tensor (or blob) the patch reads is checked against its ``base_fingerprint``
+    while it is applied, so the whole base is not hashed first.
+    """
+    hint = "apply the patch to the checkpoint it was made from"
+    expected = {f.path: f for f in header.base_files}
+    actual = {e.relpath: e for e in base.files}
+    for path in sorted(set(expected) | set(actual)):
+        label = str(base_path / path) if path else str(base_path)
+        if path not in actual:
+            raise IntegrityError(
+                f"{label}: wrong base for {patch}: file is missing; {hint}", path=label
+            )
+        if path not in expected:
+            raise IntegrityError(
+                f"{label}: wrong base for {patch}: file is not part of the patch's base; {hint}",
+                path=label,
+            )
+        if actual[path].size != expected[path].size:
+            raise IntegrityError(
+                f"{label}: wrong base for {patch}: {actual[path].size:,} bytes, the patch's "
+                f"base has {expected[path].size:,}; {hint}",
+                path=label,
+            )
 
 
 def _spans(
@@ -476,13 +635,6 @@ def _spans(
     if tfile.header is None:
         return [(None, 0, entry.size)]
     return [(t.name, t.start, t.nbytes) for t in tfile.header.tensors]
-
-
-def _copy_chunks(
-    source: FileSource, file_index: int, offset: int, nbytes: int
-) -> Iterator[np.ndarray]:
-    for off in range(0, nbytes, _HASH_CHUNK):
-        yield source.read(file_index, offset + off, min(_HASH_CHUNK, nbytes - off))
 
 
 def _tensor_mismatch(name: str, item: Item, want: str, got: str) -> IntegrityError:
@@ -521,43 +673,88 @@ def _wrong_output(
 
 
 def _decode_task(
+    step: _Block,
     codec: int,
     payload: bytes,
-    word: int,
-    size: int,
+    item: Item,
     base_fds: FileSource,
-    base_file: int | None,
-    base_offset: int | None,
+    pool: BufferPool,
+    write: Writer,
+    chain: _Chain,
     patch_name: str,
-    tensor: str | None,
     device: str | None = None,
-) -> Callable[[], np.ndarray]:
-    def run() -> np.ndarray:
+) -> Callable[[], tuple[_Chain, np.ndarray]]:
+    def run() -> tuple[_Chain, np.ndarray]:
         old = None
-        if base_file is not None and base_offset is not None:
-            old = base_fds.read(base_file, base_offset, size)
         try:
-            moves = None
-            if device is not None and old is not None:
-                moves = decode_moves(codec, payload, old, word)
-            if moves is not None:
+            if step.base_file is not None and step.base_offset is not None:
+                old = base_fds.read_into(step.base_file, step.base_offset, pool.take(step.size))
+        finally:
+            chain.feed(step.block, old)  # the base bytes, before they are patched in place
+        try:
+            moves = None if old is None else decode_moves(codec, payload, old, item.word)
+            if moves is None:
+                out = decode_block(codec, payload, old, step.size, item.word)
+                if out is not old:
+                    pool.give(old)
+            elif device is not None:
                 from pulsectl.device import apply_moves
 
-                assert old is not None and device is not None
-                out = apply_moves(old, moves[0], moves[1], word, device)
+                assert old is not None
+                out = apply_moves(old, moves[0], moves[1], item.word, device)
+                pool.give(old)
             else:
-                out = decode_block(codec, payload, old, size, word)
+                assert old is not None
+                out = old  # patched in place: its base fingerprint is already taken
+                words = out.view(_UINT[item.word])
+                words[moves[0]] += moves[1]
         except CorruptPatchError as exc:
             raise CorruptPatchError(
-                f"{patch_name}: tensor {tensor or '<file>'!r}: {exc}",
+                f"{patch_name}: tensor {item.label!r}: {exc}",
                 path=patch_name,
-                tensor=tensor,
+                tensor=item.name,
             ) from exc
-        if out.size != size:
-            raise CorruptPatchError(f"{patch_name}: tensor {tensor!r}: block has the wrong size")
-        return out
+        if out.size != step.size:
+            raise CorruptPatchError(
+                f"{patch_name}: tensor {item.label!r}: block has the wrong size"
+            )
+        write(step.file, out, step.offset)
+        return chain, out
 
     return run
+
+
+class _Chain:
+    """One item's base fingerprint, fed by the workers block by block, in block order.
+
+    Tasks start in submission order, so a block waiting for its turn only ever waits for
+    blocks already running; a task that fails still passes its turn on.
+    """
+
+    def __init__(self) -> None:
+        self._hasher = new_hasher()
+        self._next = 0
+        self._turn = threading.Condition()
+        self.fed = False
+
+    def feed(self, block: int, data: np.ndarray | None) -> None:
+        with self._turn:
+            while self._next != block:
+                self._turn.wait()
+        try:
+            if data is not None:
+                self._hasher.update(data)
+                self.fed = True
+        finally:
+            with self._turn:
+                self._next += 1
+                self._turn.notify_all()
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _check_space(out: Path, need: int) -> None:
@@ -572,57 +769,3 @@ def _check_space(out: Path, need: int) -> None:
             "free; free some space or write the output elsewhere",
             path=out,
         )
-
-
-def _wrong_base(
-    header: PatchHeader, base: Checkpoint, refs: list[FileRef], base_path: Path, patch: str
-) -> IntegrityError:
-    """Name the first file, and in it the first tensor, that differs from the patch's base."""
-    hint = "apply the patch to the checkpoint it was made from"
-    expected = {f.path: (i, f) for i, f in enumerate(header.base_files)}
-    actual = {r.path: r for r in refs}
-    for path in sorted(set(expected) | set(actual)):
-        label = str(base_path / path) if path else str(base_path)
-        if path not in actual:
-            return IntegrityError(
-                f"{label}: wrong base for {patch}: file is missing; {hint}", path=label
-            )
-        if path not in expected:
-            return IntegrityError(
-                f"{label}: wrong base for {patch}: file is not part of the patch's base; {hint}",
-                path=label,
-            )
-        index, want = expected[path]
-        got = actual[path]
-        if want.fingerprint == got.fingerprint:
-            continue
-        entry = base.file(path)
-        if entry is not None and entry.header is not None:
-            with FileSource(base) as source:
-                _, tensor_fps = scan(source, base.files.index(entry))
-            for item in header.items:
-                if item.base_file == index and item.base_name is not None:
-                    have = tensor_fps.get(item.base_name)
-                    if have != item.base_fingerprint:
-                        return IntegrityError(
-                            f"{label}: wrong base for {patch}: tensor {item.base_name!r} has "
-                            f"fingerprint {have}, the patch expects {item.base_fingerprint}; "
-                            f"{hint}",
-                            path=label,
-                            tensor=item.base_name,
-                            expected=item.base_fingerprint,
-                            actual=have,
-                        )
-        return IntegrityError(
-            f"{label}: wrong base for {patch}: file fingerprint {got.fingerprint}, the patch "
-            f"expects {want.fingerprint}; {hint}",
-            path=label,
-            expected=want.fingerprint,
-            actual=got.fingerprint,
-        )
-    return IntegrityError(
-        f"{base_path}: wrong base for {patch}: fingerprint differs from "
-        f"{header.base_fingerprint}; {hint}",
-        path=str(base_path),
-        expected=header.base_fingerprint,
-    )

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from pulsectl._io import pread_array
+from pulsectl._io import pread_array, pread_into
 from pulsectl.checkpoint import Checkpoint, FileEntry, TensorInfo
 from pulsectl.errors import InputError
 from pulsectl.hashing import fingerprint_file, new_hasher
@@ -73,6 +73,13 @@ class FileSource:
         return pread_array(
             self._fds[file_index], offset, nbytes, str(self.ckpt.files[file_index].path)
         )
+
+    def read_into(self, file_index: int, offset: int, buf: np.ndarray) -> np.ndarray:
+        """Fill ``buf`` (uint8) with the bytes of file ``file_index`` from ``offset``."""
+        return pread_into(self._fds[file_index], buf, offset, str(self.ckpt.files[file_index].path))
+
+    def fd(self, file_index: int) -> int:
+        return self._fds[file_index]
 
     def find_tensor(self, name: str) -> tuple[FileEntry, TensorInfo] | None:
         return self.ckpt.find_tensor(name)

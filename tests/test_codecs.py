@@ -275,3 +275,23 @@ def test_zstd_payload_of_wrong_size_is_rejected() -> None:
     enc = encode_block(None, np.zeros(4096, np.uint8), 1, LEVEL)
     with pytest.raises(CorruptPatchError, match="4096"):
         decode_block(CODEC_ZSTD, enc.payload, None, 4000, 1)
+
+
+def test_dense_change_to_a_compressible_block_is_stored_whole() -> None:
+    """Every word changed, to zeros: the whole new block compressed beats any change list,
+    even though the raw alternative is judged from a sample first."""
+    rng = np.random.default_rng(5)
+    old = rng.integers(0, 65536, 2 << 20, dtype=np.uint16).view(np.uint8)
+    new = np.zeros_like(old)
+    new[:100] = 7
+    assert _roundtrip(old, new, 2) == CODEC_ZSTD
+
+
+def test_dense_random_change_keeps_the_change_list() -> None:
+    """Half the words moved by one unit in a random block: the raw block is incompressible,
+    so the change list wins (and the sampled probe skips compressing the block whole)."""
+    rng = np.random.default_rng(6)
+    old = rng.integers(0, 65536, 2 << 20, dtype=np.uint16)
+    new = old.copy()
+    new[rng.random(old.size) < 0.5] += np.uint16(1)
+    assert _roundtrip(old.view(np.uint8), new.view(np.uint8), 2) in (CODEC_RICE, CODEC_DELTA)

@@ -88,3 +88,49 @@ def test_any_damaged_byte_is_an_error_or_a_block_of_the_right_size():
         except CorruptPatchError:
             continue
         assert got.size == new.size
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    k=st.integers(0, 31),
+    count=st.integers(0, 300),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_fixed_width_bits_round_trip(k, count, seed):
+    from pulsectl.codecs._bits import pack_fixed, unpack_bits, unpack_fixed
+
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 1 << k, count, dtype=np.int64) if k else np.zeros(count, np.int64)
+    data = pack_fixed(values, k)
+    assert len(data) == (count * k + 7) // 8
+    # MSB first, as the general variable-width reader reads them
+    assert np.array_equal(unpack_bits(memoryview(data), np.full(count, k, np.int64)), values)
+    assert np.array_equal(unpack_fixed(memoryview(data), count, k), values)
+    if data:
+        with pytest.raises(CorruptPatchError):
+            unpack_fixed(memoryview(data[:-1]), count, k)
+
+
+@pytest.mark.parametrize("layout", ["runs", "stride"])
+def test_clustered_changes_fall_back_to_codec_3(layout):
+    """Rows of consecutive changes or a fixed stride are far from geometric gaps: codec 3's
+    zstd planes code them in a fraction of what one Rice parameter can."""
+    from pulsectl.codecs import CODEC_DELTA
+
+    rng = np.random.default_rng(2)
+    old = rng.integers(0, 65536, 1 << 20, dtype=np.uint16)
+    new = old.copy()
+    if layout == "runs":  # 64 whole rows of 512 words each, at random rows
+        rows = rng.choice(old.size // 512, 64, replace=False)
+        positions = (rows[:, None] * 512 + np.arange(512)).ravel()
+    else:  # one column of a 96-wide matrix
+        positions = np.arange(5, old.size, 96)
+    positions = np.sort(positions)
+    new[positions] += np.uint16(1)
+    enc = encode_block(old.view(np.uint8), new.view(np.uint8), 2, 3)
+    assert enc.codec == CODEC_DELTA
+    rice_only = rice.encode_moves(positions, np.ones(positions.size, np.uint16), 2, 3)
+    assert len(enc.payload) < 0.5 * len(rice_only)
+    assert np.array_equal(
+        decode_block(enc.codec, enc.payload, old.view(np.uint8), old.nbytes, 2), new.view(np.uint8)
+    )

@@ -18,7 +18,7 @@ _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 def best_rice(gaps: np.ndarray) -> int:
     """The Rice parameter k that codes ``gaps`` in the fewest bits."""
     top = max(1, int(gaps.max()).bit_length())
-    costs = [int((gaps >> k).sum()) + gaps.size * (k + 1) for k in range(min(top, MAX_RICE_K) + 1)]
+    costs = [rice_cost(gaps, k) for k in range(min(top, MAX_RICE_K) + 1)]
     return int(np.argmin(costs))
 
 
@@ -69,6 +69,34 @@ def unpack_bits(data: memoryview, widths: np.ndarray) -> np.ndarray:
     return out
 
 
+def _fixed_width(k: int) -> int:
+    return 8 if k <= 8 else 16 if k <= 16 else 32
+
+
+def pack_fixed(values: np.ndarray, k: int) -> bytes:
+    """Each value (< 2**k, k <= 32) as exactly ``k`` bits, MSB first, concatenated; zero padding."""
+    if k == 0 or values.size == 0:
+        return b""
+    width = _fixed_width(k)
+    big = values.astype(f">u{width // 8}")  # each value's bytes, most significant first
+    bits = np.unpackbits(big.view(np.uint8)).reshape(values.size, width)
+    return np.packbits(bits[:, width - k :].ravel()).tobytes()
+
+
+def unpack_fixed(data: memoryview, count: int, k: int) -> np.ndarray:
+    """``count`` values of exactly ``k`` bits each, MSB first (the inverse of ``pack_fixed``)."""
+    if len(data) != (count * k + 7) // 8:
+        raise CorruptPatchError("remainder stream has the wrong length")
+    if k == 0 or count == 0:
+        return np.zeros(count, dtype=np.int64)
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * k).reshape(count, k)
+    width = _fixed_width(k)
+    padded = np.zeros((count, width), dtype=np.uint8)
+    padded[:, width - k :] = bits
+    big = np.packbits(padded.ravel())  # each value's bytes, most significant first
+    return big.view(f">u{width // 8}").astype(np.int64)
+
+
 def take_sized(view: memoryview, offset: int) -> tuple[memoryview, int]:
     """A ``u32 length`` then that many bytes, at ``offset``; returns them and the next offset."""
     if len(view) < offset + 4:
@@ -86,14 +114,38 @@ def pack_moves(moved: np.ndarray, word: int, level: int) -> bytes:
     Plane p holds byte p of each value; an all-zero plane is stored as size 0, others as one
     zstd frame each (as in codec 3).
     """
+    return join_planes(value_planes(moved, word, level))
+
+
+def value_planes(moved: np.ndarray, word: int, level: int) -> list[bytes]:
+    """The compressed zigzag byte planes of the moves (b"" for an all-zero plane); codecs 3, 4
+    and 5 store the same planes, so an encoder trying several computes them once."""
     utype, stype = _UINT[word], _SINT[word]
     signed = moved.astype(utype, copy=False).view(stype)
     zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
     planes = [
         np.ascontiguousarray(zigzag.view(np.uint8).reshape(-1, word)[:, p]) for p in range(word)
     ]
-    packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
-    return struct.pack(f"<{word}I", *(len(p) for p in packed)) + b"".join(packed)
+    return [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
+
+
+def join_planes(packed: list[bytes]) -> bytes:
+    return struct.pack(f"<{len(packed)}I", *(len(p) for p in packed)) + b"".join(packed)
+
+
+def rice_cost(gaps: np.ndarray, k: int) -> int:
+    """Bits of ``gaps`` Rice-coded with parameter ``k``."""
+    return int((gaps >> k).sum()) + gaps.size * (k + 1)
+
+
+def order0_bits(gaps: np.ndarray) -> float:
+    """An estimate of the order-0 entropy of ``gaps`` in bits: the entropy of their bit lengths
+    plus the bits below the leading one, taken as uniform."""
+    lengths = np.frexp(gaps.astype(np.float64))[1]  # bit length; 0 for a zero gap
+    counts = np.bincount(lengths)
+    p = counts[counts > 0] / gaps.size
+    extra = np.maximum(lengths - 1, 0).sum()
+    return float(-(p * np.log2(p)).sum() * gaps.size + extra)
 
 
 def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:

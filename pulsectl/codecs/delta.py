@@ -19,6 +19,7 @@ import struct
 import numpy as np
 
 from pulsectl import _zstd
+from pulsectl.codecs._bits import value_planes
 from pulsectl.errors import CorruptPatchError
 
 _HEAD = struct.Struct("<IBBH")
@@ -29,14 +30,6 @@ _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 def find_changes(old: np.ndarray, new: np.ndarray, word: int) -> np.ndarray:
     """Indices (int64) of the words of ``new`` whose bytes differ from ``old``."""
     utype = _UINT[word]
-    if word < 8 and old.size % 8 == 0:
-        # Compare 8-byte lanes first (fast), then look inside the few lanes that differ.
-        lanes = np.flatnonzero(old.view(np.uint64) != new.view(np.uint64))
-        per = 8 // word
-        rows, cols = np.nonzero(
-            old.view(utype).reshape(-1, per)[lanes] != new.view(utype).reshape(-1, per)[lanes]
-        )
-        return lanes[rows] * per + cols
     return np.flatnonzero(old.view(utype) != new.view(utype))
 
 
@@ -47,22 +40,29 @@ def encode(old: np.ndarray, new: np.ndarray, word: int, positions: np.ndarray, l
     return encode_moves(positions, moved, word, level)
 
 
-def encode_moves(positions: np.ndarray, moved: np.ndarray, word: int, level: int) -> bytes:
+def encode_moves(
+    positions: np.ndarray,
+    moved: np.ndarray,
+    word: int,
+    level: int,
+    *,
+    gaps: np.ndarray | None = None,
+    values: list[bytes] | None = None,
+) -> bytes:
     """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``.
 
     ``moved`` holds ``new - old`` modulo 2**(8*word) as unsigned ``word``-byte integers.
+    ``gaps`` and ``values`` (from ``_bits.value_planes``) may be given when the caller has them.
     """
-    utype, stype = _UINT[word], _SINT[word]
     count = positions.size
-    gaps = np.diff(positions, prepend=-1) - 1
+    if gaps is None:
+        gaps = np.diff(positions, prepend=-1) - 1
     max_gap = int(gaps.max())
     gap_bytes = max(1, (max_gap.bit_length() + 7) // 8)
     gaps32 = gaps.astype("<u4")
-    signed = moved.astype(utype, copy=False).view(stype)
-    zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
     planes = [_plane(gaps32, 4, p) for p in range(gap_bytes)]
-    planes += [_plane(zigzag, word, p) for p in range(word)]
     packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
+    packed += values if values is not None else value_planes(moved, word, level)
     head = _HEAD.pack(count, gap_bytes, word, 0) + struct.pack(
         f"<{len(packed)}I", *(len(p) for p in packed)
     )

@@ -20,24 +20,40 @@ import numpy as np
 from pulsectl.codecs._bits import (
     MAX_RICE_K,
     best_rice,
-    pack_moves,
+    join_planes,
+    pack_fixed,
     pack_unary,
     take_sized,
-    unpack_bits,
+    unpack_fixed,
     unpack_moves,
     unpack_unary,
+    value_planes,
 )
 from pulsectl.errors import CorruptPatchError
 
 _HEAD = struct.Struct("<IBBH")
 
 
-def encode_moves(positions: np.ndarray, moved: np.ndarray, word: int, level: int) -> bytes:
-    """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``."""
-    gaps = np.diff(positions, prepend=-1) - 1
-    k = best_rice(gaps)
+def encode_moves(
+    positions: np.ndarray,
+    moved: np.ndarray,
+    word: int,
+    level: int,
+    *,
+    gaps: np.ndarray | None = None,
+    k: int | None = None,
+    values: list[bytes] | None = None,
+) -> bytes:
+    """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``.
+
+    ``gaps``, ``k`` and ``values`` (from ``_bits.value_planes``) may be given when the caller
+    has them already."""
+    if gaps is None:
+        gaps = np.diff(positions, prepend=-1) - 1
+    if k is None:
+        k = best_rice(gaps)
     unary = pack_unary(gaps >> k)
-    remainder = _pack_fixed(gaps & ((1 << k) - 1), k)
+    remainder = pack_fixed(gaps & ((1 << k) - 1), k)
     return b"".join(
         [
             _HEAD.pack(positions.size, word, k, 0),
@@ -45,17 +61,9 @@ def encode_moves(positions: np.ndarray, moved: np.ndarray, word: int, level: int
             unary,
             struct.pack("<I", len(remainder)),
             remainder,
-            pack_moves(moved, word, level),
+            join_planes(values if values is not None else value_planes(moved, word, level)),
         ]
     )
-
-
-def _pack_fixed(values: np.ndarray, k: int) -> bytes:
-    """Each value as exactly ``k`` bits, MSB first, concatenated; zero padding."""
-    if k == 0:
-        return b""
-    shifts = np.arange(k - 1, -1, -1, dtype=np.int64)
-    return np.packbits(((values[:, None] >> shifts) & 1).astype(np.uint8).ravel()).tobytes()
 
 
 def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +80,7 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
     remainder, offset = take_sized(view, offset)
     # Quotients are at most the gaps, which add up to less than nwords: read no further.
     quotients = unpack_unary(unary[: (count + nwords + 7) // 8], count)
-    rems = unpack_bits(remainder, np.full(count, k, dtype=np.int64))
+    rems = unpack_fixed(remainder, count, k)
     positions = np.cumsum((quotients << k) + rems + 1) - 1
     if positions[-1] >= nwords:
         raise CorruptPatchError("rice block points past the end of its block")
