@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,12 +79,20 @@ def best_of(
     stdout: Path | None = None,
     timeout: float | None = None,
     repeat_below_s: float = 60.0,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run up to ``n`` times (once more only while runs take < ``repeat_below_s``); report the
-    fastest wall time, the least CPU time, the largest RSS and every wall time."""
-    runs = [timed(cmd, stdout, timeout)]
+    fastest wall time, the least CPU time, the largest RSS and every wall time. ``before``
+    runs ahead of each run, untimed (e.g. removing the previous run's output)."""
+
+    def run() -> Any:
+        if before is not None:
+            before()
+        return timed(cmd, stdout, timeout)
+
+    runs = [run()]
     while len(runs) < n and runs[-1].returncode == 0 and runs[-1].wall_s < repeat_below_s:
-        runs.append(timed(cmd, stdout, timeout))
+        runs.append(run())
     return {
         "wall_s": min(r.wall_s for r in runs),
         "walls_s": [round(r.wall_s, 4) for r in runs],

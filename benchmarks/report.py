@@ -324,7 +324,8 @@ def render(r: dict[str, Any]) -> str:
         "`wait4`). All inputs are read once beforehand so every command finds them in the page "
         "cache. Compare pass = a child Python that memory-maps both files and computes "
         "`(a != b).sum()` over the uint16 data region in 16 MiB chunks. RSS of the compare pass "
-        "includes the mapped file pages it touched."
+        "includes the mapped file pages it touched. `apply` and `cp` each write a new file "
+        "(the previous run's output is removed, untimed, before each run)."
     )
     w("")
     w(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -196,7 +197,13 @@ def bench_pair(
             out.unlink(missing_ok=True)
             acmd = cli + ["-q", "apply", str(old), str(patch), "-o", str(out), "-f"]
             measure.warm(old, patch)
-            a = measure.best_of(args.repeats, acmd, timeout=args.pulsectl_timeout)
+            # Each run writes a fresh file, as cp does below (no old output to replace).
+            a = measure.best_of(
+                args.repeats,
+                acmd,
+                timeout=args.pulsectl_timeout,
+                before=functools.partial(out.unlink, missing_ok=True),
+            )
             entry["apply"] = a
             entry["apply_exact"] = a["returncode"] == 0 and same_bytes(out, new)
             out.unlink(missing_ok=True)

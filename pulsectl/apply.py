@@ -1,6 +1,6 @@
 """apply: a base checkpoint and a chain of patches in, the exact target checkpoint out.
 
-base files and sizes checked against the first patch
+base files checked against the first patch
   -> for each patch: PatchReader (file or pipe, frame by frame, on its own thread)
      -> workers: base block read (pread, reused buffers), decoded, written at its offset
         in a temp path in OUT's folder (pwrite)
@@ -452,15 +452,22 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
             else:
                 info = base_tensors[item.base_file].get(item.base_name)
                 if info is None:
-                    raise CorruptPatchError(
-                        f"{reader.name}: item {item.label!r} refers to a base tensor that is "
-                        "not there"
+                    raise IntegrityError(
+                        f"{base.files[item.base_file].path}: wrong base for {reader.name}: it "
+                        f"has no tensor {item.base_name!r}; apply the patch to the checkpoint "
+                        "it was made from",
+                        path=str(base.files[item.base_file].path),
+                        tensor=item.base_name,
                     )
                 found_size, start = info.nbytes, info.start
             if found_size != item.nbytes:
-                raise CorruptPatchError(
-                    f"{reader.name}: item {item.label!r} and its base differ in size",
-                    tensor=item.name,
+                raise IntegrityError(
+                    f"{base.files[item.base_file].path}: wrong base for {reader.name}: "
+                    f"{'tensor ' + repr(item.base_name) if item.base_name else 'the file'} has "
+                    f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; apply the "
+                    "patch to the checkpoint it was made from",
+                    path=str(base.files[item.base_file].path),
+                    tensor=item.base_name,
                 )
         n = blocks_in(item.nbytes, bb)
         if n == 0:  # an empty tensor: a frame with no blocks
@@ -597,7 +604,8 @@ def _check_block_base(header: PatchHeader, base: Checkpoint, base_path: Path, pa
 
 
 def _check_base_files(header: PatchHeader, base: Checkpoint, base_path: Path, patch: str) -> None:
-    """The base has the patch's base files, each of the recorded size.
+    """The base has the patch's base files (the sizes of what the items read are checked by
+    ``_plan``).
 
     Every base tensor (or blob) the patch reads is checked against its ``base_fingerprint``
     while it is applied, so the whole base is not hashed first.
@@ -614,12 +622,6 @@ def _check_base_files(header: PatchHeader, base: Checkpoint, base_path: Path, pa
         if path not in expected:
             raise IntegrityError(
                 f"{label}: wrong base for {patch}: file is not part of the patch's base; {hint}",
-                path=label,
-            )
-        if actual[path].size != expected[path].size:
-            raise IntegrityError(
-                f"{label}: wrong base for {patch}: {actual[path].size:,} bytes, the patch's "
-                f"base has {expected[path].size:,}; {hint}",
                 path=label,
             )
 

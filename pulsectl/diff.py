@@ -11,7 +11,8 @@ import contextlib
 import fnmatch
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -20,7 +21,7 @@ import numpy as np
 from pulsectl import __version__
 from pulsectl._atomic import atomic_file
 from pulsectl._dtypes import DTYPES
-from pulsectl._io import default_workers, ordered_map, window_for
+from pulsectl._io import BufferPool, default_workers, ordered_map, window_for
 
 # `--level max` uses the context codec (positions grouped by the base word's exponent) and
 # zstd level MAX_PRESET_LEVEL for the planes.
@@ -29,7 +30,14 @@ from pulsectl.checkpoint import Checkpoint
 from pulsectl.codecs import EncodedBlock, encode_block
 from pulsectl.codecs.context import KEYS as CONTEXT_KEYS
 from pulsectl.errors import UsageError
-from pulsectl.format import DEFAULT_BLOCK_BYTES, PatchWriter, blocks_in
+from pulsectl.format import (
+    BLOCK_CHECK,
+    BLOCK_HEAD,
+    DEFAULT_BLOCK_BYTES,
+    FRAME_HEAD,
+    PatchWriter,
+    blocks_in,
+)
 from pulsectl.hashing import checkpoint_fingerprint, new_hasher
 from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
 from pulsectl.sources import FileSource, Source, scan
@@ -138,27 +146,22 @@ def _diff_sources(
             f"{old} is a {_layout_word(base.layout)} but {new} is a "
             f"{_layout_word(target.layout)}; diff a file against a file, a folder against a folder"
         )
-    base_refs: list[FileRef] = []
-    base_tensor_fps: dict[tuple[int, str], str] = {}
-    for index in range(len(base.files)):
-        ref, tensor_fps = scan(base, index)
-        base_refs.append(ref)
-        for name, fp in tensor_fps.items():
-            base_tensor_fps[(index, name)] = fp
-    base_fp = checkpoint_fingerprint(
-        base.layout, ((r.path, r.size, r.fingerprint) for r in base_refs)
-    )
+    # The base's fingerprints go into the header, but nothing else needs them: the base is
+    # hashed on its own thread while the blocks are encoded (see _write_patch).
+    scanner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsectl-scan")
+    scanned = scanner.submit(_scan_all, base)
+    scanner.shutdown(wait=False)
     base_index = {e.relpath: i for i, e in enumerate(base.files)}
 
     files: list[TargetFile] = []
-    items: list[Item] = []
+    items: list[Item] = []  # base fingerprints are filled in once the base is hashed
     for fi, entry in enumerate(target.files):
         if entry.header is None:
             files.append(TargetFile(entry.relpath, "blob", entry.size, None))
             bentry = base.file(entry.relpath)
             if bentry is not None and bentry.header is None and bentry.size == entry.size:
                 bi = base_index[bentry.relpath]
-                items.append(Item(fi, None, 0, entry.size, 1, bi, None, base_refs[bi].fingerprint))
+                items.append(Item(fi, None, 0, entry.size, 1, bi, None, None))
             else:
                 items.append(Item(fi, None, 0, entry.size, 1, None, None, None))
             continue
@@ -168,8 +171,7 @@ def _diff_sources(
             word = DTYPES[t.dtype].word
             if found is not None and (found[1].dtype, found[1].shape) == (t.dtype, t.shape):
                 bi = base_index[found[0].relpath]
-                fp = base_tensor_fps[(bi, t.name)]
-                items.append(Item(fi, t.name, t.start, t.nbytes, word, bi, t.name, fp))
+                items.append(Item(fi, t.name, t.start, t.nbytes, word, bi, t.name, None))
             else:
                 items.append(Item(fi, t.name, t.start, t.nbytes, word, None, None, None))
 
@@ -180,17 +182,53 @@ def _diff_sources(
         if not items:
             raise UsageError("no tensor matches --tensors/--exclude; nothing to patch")
         scope = "tensors"
-    header = PatchHeader(
-        layout=target.layout,
-        block_bytes=options.block_bytes,
-        writer=f"pulsectl {__version__}",
-        base_fingerprint=base_fp,
-        base_files=tuple(base_refs),
-        files=tuple(files),
-        items=tuple(items),
-        scope=scope,
-    )
-    return _write_patch(header, base, target, out, options, progress)
+
+    def make_header() -> PatchHeader:
+        base_refs, base_tensor_fps = scanned.result()
+        base_fp = checkpoint_fingerprint(
+            base.layout, ((r.path, r.size, r.fingerprint) for r in base_refs)
+        )
+        return PatchHeader(
+            layout=target.layout,
+            block_bytes=options.block_bytes,
+            writer=f"pulsectl {__version__}",
+            base_fingerprint=base_fp,
+            base_files=tuple(base_refs),
+            files=tuple(files),
+            items=tuple(
+                replace(
+                    i,
+                    base_fingerprint=base_refs[i.base_file].fingerprint
+                    if i.base_name is None
+                    else base_tensor_fps[(i.base_file, i.base_name)],
+                )
+                if i.base_file is not None
+                else i
+                for i in items
+            ),
+            scope=scope,
+        )
+
+    try:
+        return _write_patch(
+            make_header, scanned.done, items, files, base, target, out, options, progress
+        )
+    finally:
+        if not scanned.done():  # failed early: let the scan finish before its files close
+            with contextlib.suppress(BaseException):
+                scanned.result()
+
+
+def _scan_all(base: Source) -> tuple[list[FileRef], dict[tuple[int, str], str]]:
+    """Every base file's fingerprint and every base tensor's, by (file index, name)."""
+    refs: list[FileRef] = []
+    tensor_fps: dict[tuple[int, str], str] = {}
+    for index in range(len(base.files)):
+        ref, fps = scan(base, index)
+        refs.append(ref)
+        for name, fp in fps.items():
+            tensor_fps[(index, name)] = fp
+    return refs, tensor_fps
 
 
 def _require_same_layout(base: Source, target: Source, old: object, new: object) -> None:
@@ -215,42 +253,98 @@ def _require_same_layout(base: Source, target: Source, old: object, new: object)
             )
 
 
+# Encoded frames held in memory while the base is still being hashed (the header, which
+# names the base's fingerprints, goes first); past this, encoding waits for the hashing.
+HELD_BYTES = 64 * 1024 * 1024
+
+
+class _HeldWriter:
+    """A PatchWriter made once the header is known; frames before that are held in memory."""
+
+    def __init__(
+        self, out: BinaryIO, make_header: Callable[[], PatchHeader], ready: Callable[[], bool]
+    ) -> None:
+        self._out = out
+        self._make_header = make_header
+        self._ready = ready  # true once make_header will not block
+        self._writer: PatchWriter | None = None
+        self._held: list[tuple[int, int] | tuple[int, bytes, None]] = []
+        self._held_bytes = 0
+        self.header: PatchHeader | None = None
+
+    def writer(self) -> PatchWriter:
+        if self._writer is None:
+            self.header = self._make_header()
+            self._writer = PatchWriter(self._out, self.header.to_json())
+            for op in self._held:
+                if len(op) == 2:
+                    self._writer.begin_frame(op[0], op[1])
+                else:
+                    self._writer.add_block(op[0], op[1])
+            self._held.clear()
+        return self._writer
+
+    def _direct(self) -> PatchWriter | None:
+        if self._writer is None and (self._ready() or self._held_bytes > HELD_BYTES):
+            self.writer()
+        return self._writer
+
+    def begin_frame(self, index: int, nblocks: int) -> int:
+        w = self._direct()
+        if w is None:
+            self._held.append((index, nblocks))
+        else:
+            w.begin_frame(index, nblocks)
+        return FRAME_HEAD.size
+
+    def add_block(self, codec: int, payload: bytes) -> int:
+        w = self._direct()
+        if w is not None:
+            return w.add_block(codec, payload)
+        self._held.append((codec, payload, None))
+        self._held_bytes += len(payload)
+        return BLOCK_HEAD.size + len(payload) + BLOCK_CHECK.size
+
+
 def _write_patch(
-    header: PatchHeader,
+    make_header: Callable[[], PatchHeader],
+    ready: Callable[[], bool],
+    items: list[Item],
+    files: list[TargetFile],
     base: Source,
     target: Source,
     out: BinaryIO,
     options: DiffOptions,
     progress: Progress | None,
 ) -> DiffSummary:
-    bb = header.block_bytes
-    total = header.target_bytes
+    bb = options.block_bytes
+    total = sum(f.size for f in files)
     dtypes = [
-        {t.name: t.dtype for t in f.header.tensors} if f.header is not None else {}
-        for f in header.files
+        {t.name: t.dtype for t in f.header.tensors} if f.header is not None else {} for f in files
     ]
     keys: list[tuple[int, int] | None] = [
         CONTEXT_KEYS.get(dtypes[item.file].get(item.name or "", ""))
         if options.context and item.base_file is not None
         else None
-        for item in header.items
+        for item in items
     ]
+    pool = BufferPool(keep=3 * window_for(options.workers, bb) + 4)
 
     def tasks() -> Iterator[Callable[[], tuple[np.ndarray, EncodedBlock]]]:
-        for index, item in enumerate(header.items):
+        for index, item in enumerate(items):
             for b in range(blocks_in(item.nbytes, bb)):
                 yield _encode_task(
-                    item, b, bb, base, target, options.level, keys[index], options.device
+                    item, b, bb, base, target, options.level, keys[index], options.device, pool
                 )
 
-    writer = PatchWriter(out, header.to_json())
+    held = _HeldWriter(out, make_header, ready)
     results = ordered_map(tasks(), options.workers, window_for(options.workers, bb))
     item_results: list[ItemResult] = []
     file_refs: list[FileRef] = []
     done = 0
-    item_iter = iter(enumerate(header.items))
+    item_iter = iter(enumerate(items))
     pending = next(item_iter, None)
-    for fi, tfile in enumerate(header.files):
+    for fi, tfile in enumerate(files):
         whole = new_hasher()
         if tfile.header is not None:
             whole.update(struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw)
@@ -258,22 +352,25 @@ def _write_patch(
         while pending is not None and pending[1].file == fi:
             index, item = pending
             nblocks = blocks_in(item.nbytes, bb)
-            start = writer.offset
-            writer.begin_frame(index, nblocks)
+            encoded = held.begin_frame(index, nblocks)
             h = new_hasher()
             changed = 0
             for _ in range(nblocks):
                 data, enc = next(results)
                 h.update(data)
                 whole.update(data)
-                writer.add_block(enc.codec, enc.payload)
+                pool.give(data)
+                encoded += held.add_block(enc.codec, enc.payload)
                 changed += enc.changed
                 done += data.size
                 if progress is not None:
                     progress(done, total)
-            item_results.append(ItemResult(h.hexdigest(), changed, writer.offset - start))
+            item_results.append(ItemResult(h.hexdigest(), changed, encoded))
             pending = next(item_iter, None)
         file_refs.append(FileRef(tfile.path, tfile.size, whole.hexdigest()))
+    writer = held.writer()
+    header = held.header
+    assert header is not None
     if header.scope == "tensors":
         # The frames hold only some tensors: fingerprint NEW's files whole (a second pass).
         file_refs = [scan(target, i)[0] for i in range(len(header.files))]
@@ -303,20 +400,27 @@ def _encode_task(
     level: int,
     key: tuple[int, int] | None,
     device: str | None = None,
+    pool: BufferPool | None = None,
 ) -> Callable[[], tuple[np.ndarray, EncodedBlock]]:
     offset = block * block_bytes
     size = min(block_bytes, item.nbytes - offset)
 
+    def read(source: Source, file_index: int, at: int) -> np.ndarray:
+        read_into = getattr(source, "read_into", None)
+        if pool is not None and read_into is not None:
+            return read_into(file_index, at, pool.take(size))
+        return source.read(file_index, at, size)
+
     def run() -> tuple[np.ndarray, EncodedBlock]:
-        new = target.read(item.file, item.start + offset, size)
+        new = read(target, item.file, item.start + offset)
         old = None
+        start = 0
         if item.base_file is not None:
-            start = 0
             if item.base_name is not None:
                 found = base.find_tensor(item.base_name)
                 assert found is not None
                 start = found[1].start
-            old = base.read(item.base_file, start + offset, size)
+            old = read(base, item.base_file, start + offset)
         positions = None
         if device is not None and old is not None:
             from pulsectl.device import find_changes
@@ -328,7 +432,10 @@ def _encode_task(
                 positions = find_changes(old_d, new_d, item.word, device)
             else:
                 positions = find_changes(old, new, item.word, device)
-        return new, encode_block(old, new, item.word, level, key, positions)
+        encoded = encode_block(old, new, item.word, level, key, positions)
+        if pool is not None:
+            pool.give(old)  # the payload never refers to it
+        return new, encoded
 
     return run
 

@@ -102,10 +102,16 @@ def scan(source: Source, index: int) -> tuple[FileRef, dict[str, str]]:
     whole.update(struct.pack("<Q", len(entry.header.raw)))
     whole.update(entry.header.raw)
     tensors: dict[str, str] = {}
+    read_into = getattr(source, "read_into", None)
+    buf = np.empty(SCAN_CHUNK, dtype=np.uint8) if read_into is not None else None
     for t in entry.header.tensors:
         h = new_hasher()
         for off in range(0, t.nbytes, SCAN_CHUNK):
-            chunk = source.read(index, t.start + off, min(SCAN_CHUNK, t.nbytes - off))
+            n = min(SCAN_CHUNK, t.nbytes - off)
+            if buf is not None and read_into is not None:  # one buffer, no fresh pages
+                chunk = read_into(index, t.start + off, buf[:n])
+            else:
+                chunk = source.read(index, t.start + off, n)
             h.update(chunk)
             whole.update(chunk)
         tensors[t.name] = h.hexdigest()

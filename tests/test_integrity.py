@@ -72,6 +72,51 @@ def test_wrong_base(work: dict[str, Path], capsys: Capsys) -> None:
     assert "tensor '" in msg  # names the first tensor that differs
 
 
+def test_wrong_base_only_in_the_last_tensor(work: dict[str, Path], capsys: Capsys) -> None:
+    """The base is checked tensor by tensor as it is read: a base that differs only in its
+    last tensor is caught at the end of the pass, and the partial output is removed."""
+    from safetensors import safe_open
+
+    with safe_open(str(work["s0"]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta = f.metadata()
+    last = max(tensors, key=lambda k: _start_of(work["s0"], k))
+    tensors[last] = tensors[last].clone()
+    tensors[last].view(-1)[-1] += 1
+    bad = work["s0"].with_name("bad.safetensors")
+    save_file(tensors, str(bad), metadata=meta)
+    work["bad"] = bad
+    msg = _fails(capsys, _apply_argv(work, "bad", "p1"), 3, work["out"], [bad, work["p1"]])
+    assert (
+        "wrong base" in msg
+        and f"tensor {last!r}" in msg
+        and "the partial output was removed" in msg
+    )
+
+
+def test_base_differing_only_in_metadata_gives_the_exact_target(work: dict[str, Path]) -> None:
+    """Only the bytes a patch reads are its base: other header metadata does not matter, and
+    the output is still verified against the target's fingerprints."""
+    from safetensors import safe_open
+
+    with safe_open(str(work["s0"]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    other = work["s0"].with_name("other-meta.safetensors")
+    save_file(tensors, str(other), metadata={"note": "re-saved elsewhere"})
+    assert other.read_bytes() != work["s0"].read_bytes()
+    work["other"] = other
+    assert main(_apply_argv(work, "other", "p1")) == 0
+    assert (work["out"] / "c").read_bytes() == work["s1"].read_bytes()
+
+
+def _start_of(path: Path, name: str) -> int:
+    import json
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return int(json.loads(raw[8 : 8 + n])[name]["data_offsets"][0])
+
+
 def test_chain_out_of_order(work: dict[str, Path], capsys: Capsys) -> None:
     msg = _fails(capsys, _apply_argv(work, "s0", "p2", "p1"), 3, work["out"], [work["s0"]])
     assert "out of order" in msg and "p1.pulse" in msg
