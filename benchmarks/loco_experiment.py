@@ -1,27 +1,38 @@
-"""PULSELoCo against DDP and DiLoCo on a tiny byte-level transformer LM (CPU, a few minutes).
+"""PULSELoCo against DDP and DiLoCo on a small byte-level transformer LM (CPU, a few minutes).
 
-    python benchmarks/loco_experiment.py [--seeds 0 1 2] [--rounds 8] [--inner 16]
-        [--inner-lr 2e-6] [--out docs] [--threads 1]
+    python benchmarks/loco_experiment.py [--seeds 0 1 2] [--rounds 48] [--inner 16]
+        [--inner-lr 3e-6 [1e-6 1e-5 ...]] [--d-model 64] [--layers 2] [--context 64]
+        [--out docs] [--threads 1] [--no-write]
+
+The default (one learning rate, three seeds) takes about 6 minutes on one CPU thread, plus about
+half a minute once to pretrain the base model (cached under --cache). Each further --inner-lr
+adds as much again; the first one given is the main setting (the full table and the plot), the
+others make a learning-rate sweep table.
 
 Setup (an RL-style fine-tuning, scaled down):
 - Corpus: the Python standard library's own source files, read as bytes (vocabulary 256).
   Files outside ``test/`` pretrain the base model; ``test/test_*.py`` files are the fine-tuning
-  distribution (the last 10% of them, by sorted path, are held out for validation).
-- Model: a 2-layer pre-norm transformer, d=32, 2 heads, context 32 (~35K parameters).
+  distribution, which differs from the pretraining one (the last 10% of them, by sorted path,
+  are held out for validation).
+- Model: a 2-layer pre-norm transformer, d=64, 4 heads, context 64 (137,216 parameters).
   FP32 master weights; forward and backward run on the BF16 cast of the weights (straight
-  through), as a trainer publishing BF16 would. Base model: AdamW lr 3e-3, a few hundred steps.
-- Fine-tuning: M = 4 trainers, each with its own data stream, AdamW at a small RL-like inner
-  learning rate (default 2e-6), from the same base model, for ``rounds * inner`` steps:
+  through), as a trainer publishing BF16 would. Base model: AdamW lr 3e-3, 1,500 steps of
+  16 sequences (warm-up and cosine decay).
+- Fine-tuning: M = 4 trainers, each with its own data stream, AdamW (betas 0.9/0.95, no weight
+  decay; its state kept across rounds) at a small RL-like inner learning rate, from the same
+  base model, for ``rounds * inner`` steps:
   (a) DDP: gradients averaged every step (4 bytes per parameter per step and trainer);
   (b) DiLoCo: ``inner`` local steps, dense FP32 pseudo-gradients averaged, outer Nesterov
       (lr 0.7, momentum 0.9); (c) PULSELoCo: the same, each trainer sending only the BF16-visible
       part with error feedback, through pulsectl.loco (encode -> patch bytes -> loads -> reduce ->
-      outer_step); the bytes counted are the real .pulse patch sizes.
-- Every method sees the same batches (trainer k, inner step t) and evaluates the BF16 cast of
-  the global weights on the same held-out batches after every round.
+      outer_step); the bytes counted are the real .pulse patch sizes (up-link, per trainer).
+- Seeds: each seed draws its own fine-tuning streams (trainer k, inner step t; identical across
+  the methods and learning rates) and its own validation batches (8 x 32 sequences). Every
+  method evaluates the BF16 cast of the global weights on them after every round. Losses are
+  compared as reductions from the seed's own base loss, and as sample sd over the seeds.
 
-Writes OUT/LOCO.md's results table (between markers) and OUT/loco.png (matplotlib, optional),
-and the raw results to OUT/loco_results.json.
+Writes OUT/LOCO.md's results block (between the markers), OUT/loco.png (matplotlib, optional)
+and the raw results, every round of every run, to OUT/loco_results.json.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import math
 import sys
 import sysconfig
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +57,29 @@ sys.path.insert(0, str(REPO))
 from pulsectl import loco  # noqa: E402
 
 VOCAB = 256
-CONTEXT = 32
-D_MODEL = 32
-LAYERS = 2
-HEADS = 2
 BATCH = 8  # sequences per trainer and step
 TRAINERS = 4
-PRETRAIN_STEPS = 400
 PRETRAIN_LR = 3e-3
-VAL_BATCHES = 8
+PRETRAIN_BATCH = 16
+VAL_BATCHES = 8  # of 32 sequences, drawn per seed from the held-out files
+
+
+@dataclass(frozen=True)
+class Config:
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    context: int = 64
+    pretrain_steps: int = 1500
+
+    @property
+    def tag(self) -> str:
+        return (
+            f"d{self.d_model}-l{self.layers}-h{self.heads}-c{self.context}-p{self.pretrain_steps}"
+        )
+
+
+CFG = Config()  # replaced from the command line in main()
 MARK_BEGIN = "<!-- loco-results:begin -->"
 MARK_END = "<!-- loco-results:end -->"
 
@@ -77,8 +103,8 @@ def load_corpus() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def batches(data: np.ndarray, rng: np.random.Generator, n: int) -> torch.Tensor:
-    starts = rng.integers(0, data.size - CONTEXT - 1, size=n)
-    idx = starts[:, None] + np.arange(CONTEXT + 1)[None, :]
+    starts = rng.integers(0, data.size - CFG.context - 1, size=n)
+    idx = starts[:, None] + np.arange(CFG.context + 1)[None, :]
     return torch.from_numpy(data[idx].astype(np.int64))
 
 
@@ -89,29 +115,29 @@ def batches(data: np.ndarray, rng: np.random.Generator, n: int) -> torch.Tensor:
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(D_MODEL)
-        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
-        self.proj = nn.Linear(D_MODEL, D_MODEL)
-        self.ln2 = nn.LayerNorm(D_MODEL)
-        self.up = nn.Linear(D_MODEL, 4 * D_MODEL)
-        self.down = nn.Linear(4 * D_MODEL, D_MODEL)
+        self.ln1 = nn.LayerNorm(CFG.d_model)
+        self.qkv = nn.Linear(CFG.d_model, 3 * CFG.d_model)
+        self.proj = nn.Linear(CFG.d_model, CFG.d_model)
+        self.ln2 = nn.LayerNorm(CFG.d_model)
+        self.up = nn.Linear(CFG.d_model, 4 * CFG.d_model)
+        self.down = nn.Linear(4 * CFG.d_model, CFG.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, CFG.heads, -1).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, D_MODEL))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, CFG.d_model))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
 class TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, D_MODEL)
-        self.pos = nn.Parameter(torch.randn(CONTEXT, D_MODEL) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(D_MODEL)
-        self.head = nn.Linear(D_MODEL, VOCAB)
+        self.embed = nn.Embedding(VOCAB, CFG.d_model)
+        self.pos = nn.Parameter(torch.randn(CFG.context, CFG.d_model) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(CFG.layers))
+        self.ln = nn.LayerNorm(CFG.d_model)
+        self.head = nn.Linear(CFG.d_model, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) + self.pos[: x.shape[1]]
@@ -166,16 +192,17 @@ def pretrain(corpus: np.ndarray, cache: Path) -> dict[str, np.ndarray]:
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / PRETRAIN_STEPS))
+        opt,
+        lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / CFG.pretrain_steps)),
     )
     rng = np.random.default_rng(1234)
-    for step in range(PRETRAIN_STEPS):
+    for step in range(CFG.pretrain_steps):
         opt.zero_grad(set_to_none=True)
-        loss = bf16_loss(model, batches(corpus, rng, 16))
+        loss = bf16_loss(model, batches(corpus, rng, PRETRAIN_BATCH))
         loss.backward()
         opt.step()
         sched.step()
-        if step % 100 == 0:
+        if step % 250 == 0:
             print(f"  pretrain step {step}: loss {loss.item():.3f}", file=sys.stderr)
     weights = weights_of(model)
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +255,7 @@ def run_loco(base, data, val, rounds, inner, lr, sparse: bool, visible: str = "b
     residuals: list[dict[str, np.ndarray] | None] = [None] * TRAINERS
     eval_model = TinyLM()
     losses = [evaluate(eval_model, global_, val)]
-    sent_bytes, avg_bytes, density = [], [], []
+    sent_bytes, avg_bytes, density, avg_density = [], [], [], []
     n = sum(v.size for v in base.values())
     for r in range(rounds):
         locals_ = []
@@ -247,6 +274,7 @@ def run_loco(base, data, val, rounds, inner, lr, sparse: bool, visible: str = "b
             sent_bytes.append(up / TRAINERS)
             avg_bytes.append(len(loco.dumps(avg)))
             density.append(float(np.mean([u.density for u in received])))
+            avg_density.append(avg.density)
             update_for_step = avg
         else:
             # Dense FP32 average, the same arithmetic as loco.reduce: sum in order, then / M.
@@ -259,6 +287,7 @@ def run_loco(base, data, val, rounds, inner, lr, sparse: bool, visible: str = "b
             sent_bytes.append(4 * n)
             avg_bytes.append(4 * n)
             density.append(1.0)
+            avg_density.append(1.0)
         global_, momentum = loco.outer_step(global_, update_for_step, momentum)
         for m in models:
             load(m, global_)
@@ -268,6 +297,7 @@ def run_loco(base, data, val, rounds, inner, lr, sparse: bool, visible: str = "b
         "bytes_per_sync": sent_bytes,
         "avg_bytes_per_sync": avg_bytes,
         "density": density,
+        "avg_density": avg_density,
         "syncs_per_round": 1,
     }
 
@@ -275,80 +305,144 @@ def run_loco(base, data, val, rounds, inner, lr, sparse: bool, visible: str = "b
 # ---------------------------------------------------------------------------------------------
 # Report
 
+NAMES = {"ddp": "DDP (dense, every step)", "diloco": "DiLoCo", "pulseloco": "PULSELoCo"}
 
-def summarize(results: dict, params: int) -> dict:
-    out = {}
-    for method, runs in results.items():
+
+def _sd(x: list[float]) -> float:
+    """Sample standard deviation over seeds (0 for a single seed)."""
+    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
+
+
+def summarize(runs_by_method: dict[str, list[dict]]) -> dict:
+    """Per method: final loss, reduction from the base, bytes; and the comparisons."""
+    out: dict = {}
+    for method, runs in runs_by_method.items():
         finals = [run["loss"][-1] for run in runs]
-        total = [sum(run["bytes_per_sync"]) for run in runs]
-        per_sync = [float(np.mean(run["bytes_per_sync"])) for run in runs]
+        reductions = [run["loss"][0] - run["loss"][-1] for run in runs]
+        total = [float(sum(run["bytes_per_sync"])) for run in runs]
         entry = {
+            "base_loss_mean": float(np.mean([run["loss"][0] for run in runs])),
             "final_loss_mean": float(np.mean(finals)),
-            "final_loss_std": float(np.std(finals)),
+            "final_loss_sd": _sd(finals),
             "final_losses": finals,
+            "reduction_mean": float(np.mean(reductions)),
+            "reduction_sd": _sd(reductions),
+            "reductions": reductions,
             "total_bytes_per_trainer": float(np.mean(total)),
-            "bytes_per_sync": float(np.mean(per_sync)),
+            "bytes_per_sync": float(np.mean([np.mean(run["bytes_per_sync"]) for run in runs])),
             "syncs": len(runs[0]["bytes_per_sync"]),
         }
         if "density" in runs[0]:
             entry["density"] = float(np.mean([np.mean(run["density"]) for run in runs]))
+            entry["avg_density"] = float(np.mean([np.mean(run["avg_density"]) for run in runs]))
             entry["avg_bytes_per_sync"] = float(
                 np.mean([np.mean(run["avg_bytes_per_sync"]) for run in runs])
             )
         out[method] = entry
+    if {"ddp", "diloco", "pulseloco"} <= set(out):
+        d, p, ddp = out["diloco"], out["pulseloco"], out["ddp"]
+        gaps = [(pf - df) / df for pf, df in zip(p["final_losses"], d["final_losses"], strict=True)]
+        fracs = [pr / dr for pr, dr in zip(p["reductions"], d["reductions"], strict=True)]
+        vs_diloco = d["total_bytes_per_trainer"] / p["total_bytes_per_trainer"]
+        vs_ddp = ddp["total_bytes_per_trainer"] / p["total_bytes_per_trainer"]
+        out["compare"] = {
+            "gap_vs_diloco_mean": float(np.mean(gaps)),
+            "gap_vs_diloco_worst": float(max(gaps)),
+            "gaps": gaps,
+            "reduction_fraction_mean": float(np.mean(fracs)),
+            "reduction_fraction_sd": _sd(fracs),
+            "reduction_fractions": fracs,
+            "bytes_vs_diloco": vs_diloco,
+            "bytes_vs_ddp": vs_ddp,
+            "loss_target_met": bool(max(abs(g) for g in gaps) <= 0.01),
+            "diloco_target_met": bool(vs_diloco >= 10),
+            "ddp_target_met": bool(vs_ddp >= 100),
+        }
     return out
 
 
-def table(summary: dict, args: argparse.Namespace, params: int, base_loss: float) -> str:
-    names = {"ddp": "DDP (dense, every step)", "diloco": "DiLoCo", "pulseloco": "PULSELoCo"}
-    pulse = summary["pulseloco"]
+def _yes(ok: bool) -> str:
+    return "met" if ok else "**NOT met**"
+
+
+def main_table(summary: dict, args: argparse.Namespace, params: int, lr: float) -> str:
+    """The full table for one inner learning rate."""
+    s_all = summary[f"{lr:g}"]
+    pulse = s_all["pulseloco"]
+    c = s_all["compare"]
     lines = [
-        f"Model {params:,} parameters; {TRAINERS} trainers; {args.rounds} rounds x H = "
-        f"{args.inner} inner AdamW steps (lr {args.inner_lr:g}, batch {BATCH}x{CONTEXT} bytes "
-        f"per trainer); seeds {', '.join(map(str, args.seeds))}. Validation loss of the base "
-        f"model: {base_loss:.4f} nats/byte.",
+        f"Main setting: inner lr {lr:g}. Model {params:,} parameters (d={CFG.d_model}, "
+        f"{CFG.layers} layers, context {CFG.context}); {TRAINERS} trainers; {args.rounds} rounds "
+        f"x H = {args.inner} inner AdamW steps (batch {BATCH}x{CFG.context} bytes per trainer "
+        f"and step); seeds {', '.join(map(str, args.seeds))} (each seed: its own fine-tuning "
+        f"streams and its own validation batches). Validation loss of the base model: "
+        f"{pulse['base_loss_mean']:.4f} nats/byte (mean over the seeds' validation sets). "
+        "sd: sample standard deviation over the seeds.",
         "",
-        "| method | final val loss (mean ± sd) | syncs | bytes per sync and trainer | "
-        "total bytes per trainer | vs PULSELoCo |",
-        "|---|---|---|---|---|---|",
+        "| method | final val loss (mean ± sd) | reduction from base (mean ± sd) | syncs | "
+        "bytes per sync and trainer | total bytes per trainer | PULSELoCo sends x fewer |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key in ("ddp", "diloco", "pulseloco"):
-        s = summary[key]
+        s = s_all[key]
         ratio = s["total_bytes_per_trainer"] / pulse["total_bytes_per_trainer"]
         lines.append(
-            f"| {names[key]} | {s['final_loss_mean']:.4f} ± {s['final_loss_std']:.4f} | "
-            f"{s['syncs']} | {s['bytes_per_sync']:,.0f} | {s['total_bytes_per_trainer']:,.0f} | "
-            f"{ratio:.1f}x |"
+            f"| {NAMES[key]} | {s['final_loss_mean']:.5f} ± {s['final_loss_sd']:.5f} | "
+            f"{s['reduction_mean']:.5f} ± {s['reduction_sd']:.5f} | {s['syncs']} | "
+            f"{s['bytes_per_sync']:,.0f} | {s['total_bytes_per_trainer']:,.0f} | {ratio:.1f}x |"
         )
-    d, p, ddp = summary["diloco"], pulse, summary["ddp"]
-    gap = (p["final_loss_mean"] - d["final_loss_mean"]) / d["final_loss_mean"]
-    vs_diloco = d["total_bytes_per_trainer"] / p["total_bytes_per_trainer"]
-    vs_ddp = ddp["total_bytes_per_trainer"] / p["total_bytes_per_trainer"]
+    fr = ", ".join(f"{f:.1%}" for f in c["reduction_fractions"])
     lines += [
         "",
-        f"PULSELoCo sent {p['density']:.2%} of the values per sync on average "
-        f"({p['bytes_per_sync'] / (p['density'] * params):.2f} bytes per sent value, "
-        f"positions and FP32 values); the averaged patch every trainer receives back was "
-        f"{p['avg_bytes_per_sync']:,.0f} bytes per sync.",
-        "",
-        f"Loss reduction from the base model: DDP {base_loss - ddp['final_loss_mean']:.4f}, "
-        f"DiLoCo {base_loss - d['final_loss_mean']:.4f}, PULSELoCo "
-        f"{base_loss - p['final_loss_mean']:.4f} nats/byte. At an RL-like learning rate the "
-        "loss moves little in this many steps, so the 1% criterion is a weak test; the "
-        "reduction PULSELoCo achieves relative to DiLoCo's is the more telling figure.",
+        f"PULSELoCo sent {pulse['density']:.2%} of the values per sync and trainer on average "
+        f"({pulse['bytes_per_sync'] / (pulse['density'] * params):.2f} bytes per sent value, "
+        f"positions and FP32 values); the averaged patch every trainer receives back held "
+        f"{pulse['avg_density']:.2%} of the values, {pulse['avg_bytes_per_sync']:,.0f} bytes per "
+        "sync. PULSELoCo's loss reduction as a fraction of DiLoCo's: "
+        f"{c['reduction_fraction_mean']:.1%} ± {c['reduction_fraction_sd']:.1%} (per seed: {fr}).",
         "",
         "Targets:",
-        f"- final validation loss within 1% of DiLoCo: {gap:+.2%} -> "
-        f"{'met' if abs(gap) <= 0.01 else 'NOT met'}",
-        f"- >= 10x fewer bytes than DiLoCo: {vs_diloco:.1f}x -> "
-        f"{'met' if vs_diloco >= 10 else 'NOT met'}",
-        f"- >= 100x fewer bytes than dense per-step averaging: {vs_ddp:.1f}x -> "
-        f"{'met' if vs_ddp >= 100 else 'NOT met'}",
+        f"- final validation loss within 1% of DiLoCo's (every seed): mean "
+        f"{c['gap_vs_diloco_mean']:+.3%}, worst seed {c['gap_vs_diloco_worst']:+.3%} -> "
+        f"{_yes(c['loss_target_met'])}",
+        f"- >= 10x fewer bytes than DiLoCo: {c['bytes_vs_diloco']:.1f}x -> "
+        f"{_yes(c['diloco_target_met'])}",
+        f"- >= 100x fewer bytes than dense per-step averaging: {c['bytes_vs_ddp']:.1f}x -> "
+        f"{_yes(c['ddp_target_met'])}",
     ]
     return "\n".join(lines)
 
 
-def plot(results: dict, args: argparse.Namespace, path: Path) -> bool:
+def sweep_table(summary: dict, lrs: list[float]) -> str:
+    lines = [
+        "Learning-rate sweep (same model, rounds, H and seeds; mean over the seeds; reduction = "
+        "base loss - final loss, nats/byte):",
+        "",
+        "| inner lr | reduction DDP | reduction DiLoCo | reduction PULSELoCo | PULSELoCo / DiLoCo "
+        "reduction | final loss vs DiLoCo (worst seed) | density sent | x fewer bytes vs DiLoCo "
+        "| x fewer vs DDP | targets (loss / 10x / 100x) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lr in sorted(lrs):
+        s = summary[f"{lr:g}"]
+        c = s["compare"]
+        marks = " / ".join(
+            "met" if ok else "NOT"
+            for ok in (c["loss_target_met"], c["diloco_target_met"], c["ddp_target_met"])
+        )
+        lines.append(
+            f"| {lr:g} | {s['ddp']['reduction_mean']:.4f} ± {s['ddp']['reduction_sd']:.4f} | "
+            f"{s['diloco']['reduction_mean']:.4f} ± {s['diloco']['reduction_sd']:.4f} | "
+            f"{s['pulseloco']['reduction_mean']:.4f} ± {s['pulseloco']['reduction_sd']:.4f} | "
+            f"{c['reduction_fraction_mean']:.1%} ± {c['reduction_fraction_sd']:.1%} | "
+            f"{c['gap_vs_diloco_mean']:+.2%} ({c['gap_vs_diloco_worst']:+.2%}) | "
+            f"{s['pulseloco']['density']:.2%} | {c['bytes_vs_diloco']:.1f}x | "
+            f"{c['bytes_vs_ddp']:.1f}x | {marks} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, args: argparse.Namespace, lrs: list[float], path: Path) -> bool:
     try:
         import matplotlib
 
@@ -357,28 +451,59 @@ def plot(results: dict, args: argparse.Namespace, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    main = results[f"{lrs[0]:g}"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.3))
+    ax1, ax2, ax3 = axes
     colors = {"ddp": "tab:gray", "diloco": "tab:blue", "pulseloco": "tab:red"}
     labels = {"ddp": "DDP", "diloco": "DiLoCo", "pulseloco": "PULSELoCo"}
     steps = np.arange(args.rounds + 1) * args.inner
-    for key, runs in results.items():
-        curves = np.array([run["loss"] for run in runs])
-        ax1.plot(steps, curves.mean(0), color=colors[key], label=labels[key])
-        ax1.fill_between(steps, curves.min(0), curves.max(0), color=colors[key], alpha=0.15)
+    for key, runs in main.items():
+        # Reduction from each seed's own base loss: the seeds' validation sets differ.
+        curves = np.array([np.asarray(run["loss"]) - run["loss"][0] for run in runs])
+        base = float(np.mean([run["loss"][0] for run in runs]))
+        ax1.plot(steps, base + curves.mean(0), color=colors[key], label=labels[key])
+        ax1.fill_between(
+            steps, base + curves.min(0), base + curves.max(0), color=colors[key], alpha=0.15
+        )
         cum = np.array([np.cumsum(run["bytes_per_sync"]) for run in runs]).mean(0)
-        x = np.arange(1, cum.size + 1) * (args.inner * args.rounds / cum.size)
-        ax2.plot(x, cum, color=colors[key], label=labels[key])
+        syncs_per_round = runs[0]["syncs_per_round"]
+        ax2.plot(
+            cum[syncs_per_round - 1 :: syncs_per_round],
+            base + curves.mean(0)[1:],
+            color=colors[key],
+            label=labels[key],
+        )
     ax1.set_xlabel("inner steps")
     ax1.set_ylabel("validation loss (nats/byte)")
-    ax1.set_title("loss of the global model (BF16 cast)")
+    ax1.set_title(f"global model (BF16 cast), inner lr {lrs[0]:g}\nmean and range over seeds")
     ax1.legend()
-    ax2.set_yscale("log")
-    ax2.set_xlabel("inner steps")
-    ax2.set_ylabel("bytes sent per trainer (cumulative)")
-    ax2.set_title("communication")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("cumulative bytes sent per trainer")
+    ax2.set_ylabel("validation loss (nats/byte)")
+    ax2.set_title("loss against communication")
     ax2.legend()
+    for i, lr in enumerate(lrs):
+        runs = results[f"{lr:g}"].get("pulseloco", [])
+        if not runs:
+            continue
+        dens = np.array([run["density"] for run in runs]).mean(0)
+        ax3.plot(
+            np.arange(1, dens.size + 1),
+            dens * 100,
+            color=plt.cm.viridis(i / max(1, len(lrs) - 1)),
+            label=f"lr {lr:g}",
+        )
+    ax3.axhline(8, color="k", ls=":", lw=0.8)
+    ax3.set_yscale("log")
+    ax3.set_xlabel("round")
+    ax3.set_ylabel("% of values sent per trainer")
+    ax3.set_title(
+        "PULSELoCo: values sent per sync and trainer\n"
+        "(dotted: 8%, about 10x fewer bytes than DiLoCo)"
+    )
+    ax3.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return True
 
 
@@ -394,17 +519,35 @@ def write_markdown(path: Path, text: str, command: str) -> None:
 
 
 def main() -> None:
+    global CFG
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=48)
     ap.add_argument("--inner", type=int, default=16, help="H, inner steps per round")
-    ap.add_argument("--inner-lr", type=float, default=2e-6)
+    ap.add_argument(
+        "--inner-lr",
+        type=float,
+        nargs="+",
+        default=[3e-6],
+        help="one or more inner learning rates (a sweep); the first is the main setting",
+    )
     ap.add_argument("--methods", nargs="+", default=["ddp", "diloco", "pulseloco"])
+    ap.add_argument("--d-model", type=int, default=Config.d_model)
+    ap.add_argument("--layers", type=int, default=Config.layers)
+    ap.add_argument("--heads", type=int, default=Config.heads)
+    ap.add_argument("--context", type=int, default=Config.context)
+    ap.add_argument("--pretrain-steps", type=int, default=Config.pretrain_steps)
     ap.add_argument("--out", type=Path, default=REPO / "docs")
-    ap.add_argument("--cache", type=Path, default=Path("/tmp/pulsectl-loco/base-d32-c32.npz"))
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path("/tmp/pulsectl-loco"),
+        help="folder for the pretrained base model (one file per model config)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
     args = ap.parse_args()
+    CFG = Config(args.d_model, args.layers, args.heads, args.context, args.pretrain_steps)
     torch.set_num_threads(args.threads)
     t0 = time.time()
     pre, finetune, valdata = load_corpus()
@@ -413,39 +556,54 @@ def main() -> None:
         f"{valdata.size:,} validation",
         file=sys.stderr,
     )
-    base = pretrain(pre, args.cache)
+    base = pretrain(pre, args.cache / f"base-{CFG.tag}.npz")
     params = sum(v.size for v in base.values())
-    val = [batches(valdata, np.random.default_rng(99), 32) for _ in range(VAL_BATCHES)]
-    base_loss = evaluate(TinyLM(), base, val)
-    print(f"base model: {params:,} parameters, val loss {base_loss:.4f}", file=sys.stderr)
-    results: dict[str, list[dict]] = {m: [] for m in args.methods}
+    print(f"base model: {params:,} parameters ({time.time() - t0:.0f} s)", file=sys.stderr)
+    lrs = list(args.inner_lr)
+    results: dict[str, dict[str, list[dict]]] = {
+        f"{lr:g}": {m: [] for m in args.methods} for lr in lrs
+    }
     for seed in args.seeds:
         torch.manual_seed(seed)
         data = trainer_data(finetune, seed, args.rounds, args.inner)
-        for method in args.methods:
-            t = time.time()
-            if method == "ddp":
-                run = run_ddp(base, data, val, args.rounds, args.inner, args.inner_lr)
-            else:
-                sparse = method == "pulseloco"
-                run = run_loco(base, data, val, args.rounds, args.inner, args.inner_lr, sparse)
-            results[method].append(run)
-            extra = f", density {np.mean(run['density']):.3%}" if method == "pulseloco" else ""
-            print(
-                f"seed {seed} {method}: final loss {run['loss'][-1]:.4f}, "
-                f"{sum(run['bytes_per_sync']):,.0f} bytes{extra} ({time.time() - t:.0f} s)",
-                file=sys.stderr,
-            )
-    summary = summarize(results, params)
-    text = table(summary, args, params, base_loss) if len(args.methods) == 3 else ""
-    print(text or json.dumps(summary, indent=2))
+        vrng = np.random.default_rng([seed, 99])
+        val = [batches(valdata, vrng, 32) for _ in range(VAL_BATCHES)]
+        for lr in lrs:
+            for method in args.methods:
+                t = time.time()
+                if method == "ddp":
+                    run = run_ddp(base, data, val, args.rounds, args.inner, lr)
+                else:
+                    sparse = method == "pulseloco"
+                    run = run_loco(base, data, val, args.rounds, args.inner, lr, sparse)
+                results[f"{lr:g}"][method].append(run)
+                extra = f", density {np.mean(run['density']):.3%}" if method == "pulseloco" else ""
+                print(
+                    f"seed {seed} lr {lr:g} {method}: loss {run['loss'][0]:.4f} -> "
+                    f"{run['loss'][-1]:.4f}, {sum(run['bytes_per_sync']):,.0f} bytes{extra} "
+                    f"({time.time() - t:.0f} s)",
+                    file=sys.stderr,
+                )
+    summary = {lr: summarize(runs) for lr, runs in results.items()}
+    if len(args.methods) == 3:
+        text = main_table(summary, args, params, lrs[0])
+        if len(lrs) > 1:
+            text += "\n\n" + sweep_table(summary, lrs)
+    else:
+        text = json.dumps(summary, indent=2)
+    print(text)
     print(f"total {time.time() - t0:.0f} s", file=sys.stderr)
     if args.no_write:
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    raw = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": results}
+    raw = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "config": asdict(CFG) | {"params": params, "trainers": TRAINERS, "batch": BATCH},
+        "summary": summary,
+        "runs": results,
+    }
     (args.out / "loco_results.json").write_text(json.dumps(raw, indent=1))
-    plot(results, args, args.out / "loco.png")
+    plot(results, args, lrs, args.out / "loco.png")
     command = "python benchmarks/loco_experiment.py " + " ".join(sys.argv[1:])
     write_markdown(args.out / "LOCO.md", text, command.strip())
 

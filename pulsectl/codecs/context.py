@@ -186,5 +186,6 @@ def decode_moves_only(payload: bytes, word: int) -> np.ndarray:
 def _group(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stable order of the words by key, and each key's start and size in that order."""
     perm = np.argsort(keys, kind="stable")
-    bounds = np.searchsorted(keys[perm], np.arange((1 << bits) + 1))
-    return perm, bounds[:-1], np.diff(bounds)
+    sizes = np.bincount(keys, minlength=1 << bits)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    return perm, starts, sizes
