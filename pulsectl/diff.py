@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import struct
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -148,9 +148,8 @@ def _diff_sources(
         )
     # The base's fingerprints go into the header, but nothing else needs them: the base is
     # hashed on its own thread while the blocks are encoded (see _write_patch).
-    scanner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulsectl-scan")
-    scanned = scanner.submit(_scan_all, base)
-    scanner.shutdown(wait=False)
+    scanned = _Scan(base)
+    scanned.start()
     base_index = {e.relpath: i for i, e in enumerate(base.files)}
 
     files: list[TargetFile] = []
@@ -214,21 +213,42 @@ def _diff_sources(
             make_header, scanned.done, items, files, base, target, out, options, progress
         )
     finally:
-        if not scanned.done():  # failed early: let the scan finish before its files close
-            with contextlib.suppress(BaseException):
-                scanned.result()
+        scanned.stop()  # failed or interrupted early: stop hashing before the files close
 
 
-def _scan_all(base: Source) -> tuple[list[FileRef], dict[tuple[int, str], str]]:
-    """Every base file's fingerprint and every base tensor's, by (file index, name)."""
-    refs: list[FileRef] = []
-    tensor_fps: dict[tuple[int, str], str] = {}
-    for index in range(len(base.files)):
-        ref, fps = scan(base, index)
-        refs.append(ref)
-        for name, fp in fps.items():
-            tensor_fps[(index, name)] = fp
-    return refs, tensor_fps
+class _Scan(threading.Thread):
+    """Every base file's fingerprint and every base tensor's, on a thread of its own."""
+
+    def __init__(self, base: Source) -> None:
+        super().__init__(name="pulsectl-scan", daemon=True)
+        self._base = base
+        self._stop_event = threading.Event()
+        self._refs: list[FileRef] = []
+        self._fps: dict[tuple[int, str], str] = {}
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for index in range(len(self._base.files)):
+                ref, fps = scan(self._base, index, self._stop_event)
+                self._refs.append(ref)
+                for name, fp in fps.items():
+                    self._fps[(index, name)] = fp
+        except BaseException as exc:  # handed to result()
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self.is_alive()
+
+    def result(self) -> tuple[list[FileRef], dict[tuple[int, str], str]]:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._refs, self._fps
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
 
 
 def _require_same_layout(base: Source, target: Source, old: object, new: object) -> None:

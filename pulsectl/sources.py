@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from typing import Literal, Protocol
 
 import numpy as np
@@ -88,8 +89,17 @@ class FileSource:
         return self.ckpt.file(relpath)
 
 
-def scan(source: Source, index: int) -> tuple[FileRef, dict[str, str]]:
-    """File fingerprint and, for a safetensors file, each tensor's fingerprint, in one pass."""
+class Stopped(Exception):
+    """A scan given a ``stop`` event saw it set."""
+
+
+def scan(
+    source: Source, index: int, stop: threading.Event | None = None
+) -> tuple[FileRef, dict[str, str]]:
+    """File fingerprint and, for a safetensors file, each tensor's fingerprint, in one pass.
+
+    ``stop``, once set, ends the scan (``Stopped``) at its next chunk of a safetensors file.
+    """
     entry = source.files[index]
     if entry.header is None:
         if isinstance(source, FileSource):
@@ -108,6 +118,8 @@ def scan(source: Source, index: int) -> tuple[FileRef, dict[str, str]]:
         h = new_hasher()
         for off in range(0, t.nbytes, SCAN_CHUNK):
             n = min(SCAN_CHUNK, t.nbytes - off)
+            if stop is not None and stop.is_set():
+                raise Stopped
             if buf is not None and read_into is not None:  # one buffer, no fresh pages
                 chunk = read_into(index, t.start + off, buf[:n])
             else:
