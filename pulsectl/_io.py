@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,34 +54,42 @@ class BufferPool:
     """Reusable block buffers.
 
     A fresh 8 MiB array costs ~2,000 page faults on first touch, more than reading a block from
-    the page cache into a warm one. Callers ``take`` a buffer, and ``give`` it back once nothing
-    refers to it any more; a buffer never given back is simply garbage collected.
+    the page cache into a warm one. ``take`` hands out a view of a buffer of the next power of
+    two (so a tensor's odd-sized last block reuses one too); ``give`` takes it back once
+    nothing refers to it any more. A buffer never given back is simply garbage collected.
     """
+
+    _MIN = 64 * 1024
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
         self._free: dict[int, list[np.ndarray]] = {}
+        self._mine: dict[int, weakref.ref[np.ndarray]] = {}
         self._lock = threading.Lock()
         self._count = 0
 
     def take(self, nbytes: int) -> np.ndarray:
+        size = max(self._MIN, 1 << max(0, nbytes - 1).bit_length())
         with self._lock:
-            stack = self._free.get(nbytes)
+            stack = self._free.get(size)
             if stack:
                 self._count -= 1
-                return stack.pop()
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def give(self, *bufs: object) -> None:
-        """Return buffers from ``take`` (anything else is ignored)."""
+                return stack.pop()[:nbytes]
+        buf = np.empty(size, dtype=np.uint8)
+        key = id(buf)
         with self._lock:
-            for buf in bufs:
-                if (
-                    not isinstance(buf, np.ndarray)
-                    or buf.base is not None
-                    or not buf.flags.writeable
-                    or self._count >= self._keep
-                ):
+            self._mine[key] = weakref.ref(buf, lambda _: self._mine.pop(key, None))
+        return buf[:nbytes]
+
+    def give(self, *views: object) -> None:
+        """Return views from ``take`` (anything else is ignored)."""
+        with self._lock:
+            for view in views:
+                if not isinstance(view, np.ndarray) or self._count >= self._keep:
+                    continue
+                buf = view.base if view.base is not None else view
+                ref = self._mine.get(id(buf))
+                if ref is None or ref() is not buf:
                     continue
                 stack = self._free.setdefault(buf.size, [])
                 if any(b is buf for b in stack):
