@@ -398,3 +398,18 @@ def test_same_inputs_same_patch_bytes(chain: list[Path], sharded_chain: list[Pat
         buf = io.BytesIO()
         diff_checkpoints(old, new, buf)  # default options: all cores, 8 MiB blocks
         assert buf.getvalue() == patch_bytes(old, new)
+
+
+@pytest.mark.parametrize("held", [0, 1 << 30])
+def test_diff_bytes_do_not_depend_on_workers_or_the_base_scan(
+    chain: list[Path], monkeypatch: pytest.MonkeyPatch, held: int
+) -> None:
+    """The base is hashed on its own thread while blocks are encoded; frames wait in memory
+    until the header can be written (``held`` = 0: every frame waits for the scan at once).
+    The patch is the same bytes whatever the workers and the timing."""
+    import pulsectl.diff
+
+    monkeypatch.setattr(pulsectl.diff, "HELD_BYTES", held)
+    one = patch_bytes(chain[0], chain[3], block_bytes=4096, workers=1)
+    for workers in (2, 5):
+        assert patch_bytes(chain[0], chain[3], block_bytes=4096, workers=workers) == one
