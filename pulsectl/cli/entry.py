@@ -11,8 +11,32 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _keep_freed_memory() -> None:
+    """Let glibc's malloc keep freed memory for reuse instead of returning it to the system.
+
+    Decoding and encoding allocate numpy temporaries of a few to tens of MiB per block; by
+    default glibc maps and unmaps each, so every block pays its page faults again. Measured on
+    the 988 MB lr1e-5 k16 pair: system time of `apply` 2.1-2.3 s -> 1.0-1.35 s, wall 0.4-0.6 s
+    less, peak RSS the same. Only the command-line tool does this (it owns its process); a
+    no-op where there is no glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # glibc's largest; blocks are 8 MiB
+    mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+    mallopt(m_top_pad, 64 * 1024 * 1024)
+
+
 def run() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _keep_freed_memory()
     try:
         from pulsectl.cli.app import main
     except KeyboardInterrupt:

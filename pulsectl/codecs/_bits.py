@@ -32,12 +32,20 @@ def pack_unary(quotients: np.ndarray) -> bytes:
 
 
 def unpack_unary(data: memoryview, count: int) -> np.ndarray:
+    zeros = unary_ends(data, count)
+    return np.diff(zeros, prepend=-1) - 1
+
+
+def unary_ends(data: memoryview, count: int) -> np.ndarray:
+    """The bit index of the zero that ends each of the first ``count`` unary codes.
+
+    The i-th end is the i-th quotient plus all the codes before it: sum(q[:i+1]) + i.
+    """
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
     zeros = np.flatnonzero(bits == 0)
     if zeros.size < count:
         raise CorruptPatchError("unary stream is too short")
-    zeros = zeros[:count]
-    return np.diff(zeros, prepend=-1) - 1
+    return zeros[:count]
 
 
 def pack_bits(values: np.ndarray, widths: np.ndarray) -> bytes:

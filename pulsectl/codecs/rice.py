@@ -24,9 +24,9 @@ from pulsectl.codecs._bits import (
     pack_fixed,
     pack_unary,
     take_sized,
+    unary_ends,
     unpack_fixed,
     unpack_moves,
-    unpack_unary,
     value_planes,
 )
 from pulsectl.errors import CorruptPatchError
@@ -79,9 +79,15 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
     unary, offset = take_sized(view, _HEAD.size)
     remainder, offset = take_sized(view, offset)
     # Quotients are at most the gaps, which add up to less than nwords: read no further.
-    quotients = unpack_unary(unary[: (count + nwords + 7) // 8], count)
+    ends = unary_ends(unary[: (count + nwords + 7) // 8], count)
     rems = unpack_fixed(remainder, count, k)
-    positions = np.cumsum((quotients << k) + rems + 1) - 1
+    # position i = sum over j <= i of (q[j] << k) + r[j] + 1, minus 1; the unary code ends give
+    # sum(q[:i+1]) = ends[i] - i without a pass of their own, and with k = 0 they are the answer.
+    if k == 0:
+        positions = ends
+    else:
+        index = np.arange(count, dtype=np.int64)
+        positions = ((ends - index) << k) + np.cumsum(rems) + index
     if positions[-1] >= nwords:
         raise CorruptPatchError("rice block points past the end of its block")
     return positions, unpack_moves(view, offset, count, word)
