@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from queue import Empty, Queue
 from typing import Any, TypeVar
@@ -116,7 +117,7 @@ def window_for(workers: int, block_bytes: int) -> int:
 
 def ordered_map(
     tasks: Iterable[Callable[[], T]], workers: int, window: int | None = None
-) -> Iterator[T]:
+) -> Generator[T, None, None]:
     """Run ``tasks`` on a thread pool, yielding results in task order with a bounded window.
 
     At most ``window`` tasks are queued or running at once, so memory stays bounded by the
@@ -142,6 +143,7 @@ def ordered_map(
 
 
 _END = object()
+_PRODUCER_GRACE_S = 2.0
 
 
 class _Failed:
@@ -151,7 +153,7 @@ class _Failed:
 
 def overlapped_map(
     tasks: Iterable[Callable[[], T]], workers: int, window: int | None = None
-) -> Iterator[T]:
+) -> Generator[T, None, None]:
     """Like ``ordered_map``, with ``tasks`` itself iterated on its own thread.
 
     For a task stream that does I/O (reading a patch from a pipe or a slow link): reading,
@@ -189,11 +191,17 @@ def overlapped_map(
                 yield item.result()
         finally:
             stop.set()
-            # Unblock a producer waiting on a full queue; it stops at its next task.
-            while producer.is_alive():
+            # Unblock a producer waiting on a full queue; it stops at its next task. One
+            # blocked reading a stalled pipe is left behind (a daemon): giving up after a
+            # moment keeps an error from waiting on the link.
+            deadline = time.monotonic() + _PRODUCER_GRACE_S
+            while producer.is_alive() and time.monotonic() < deadline:
                 try:
                     item = queue.get(timeout=0.05)
                 except Empty:
                     continue
                 if isinstance(item, Future):
                     item.cancel()
+            # Tasks not started are dropped; the caller's files stay open until those running
+            # have finished (the pool's exit waits for them).
+            pool.shutdown(wait=True, cancel_futures=True)

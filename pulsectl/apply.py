@@ -363,6 +363,10 @@ def _apply_parts(
 
         # Reading the patch (often a pipe), decoding and writing overlap (ParaBlock).
         results = overlapped_map(tasks(), workers, window_for(workers, first.block_bytes))
+        # On any exit, first wait for the workers (closing the generator shuts its pool down):
+        # a worker still writing when the output's fd is closed could write into whatever file
+        # reuses that fd number next.
+        closing.callback(results.close)
         wholes = [new_hasher() for _ in first.files]
         written = [0] * len(first.files)
         item_fps: dict[tuple[int, int], str] = {}  # block patches: each tensor's fingerprint

@@ -11,7 +11,7 @@ import contextlib
 import fnmatch
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -359,6 +359,24 @@ def _write_patch(
 
     held = _HeldWriter(out, make_header, ready)
     results = ordered_map(tasks(), options.workers, window_for(options.workers, bb))
+    try:
+        return _write_frames(results, held, items, files, bb, total, target, out, pool, progress)
+    finally:
+        results.close()  # on an error: the workers stop before the caller closes the sources
+
+
+def _write_frames(
+    results: Generator[tuple[np.ndarray, EncodedBlock], None, None],
+    held: _HeldWriter,
+    items: list[Item],
+    files: list[TargetFile],
+    bb: int,
+    total: int,
+    target: Source,
+    out: BinaryIO,
+    pool: BufferPool,
+    progress: Progress | None,
+) -> DiffSummary:
     item_results: list[ItemResult] = []
     file_refs: list[FileRef] = []
     done = 0
