@@ -32,7 +32,7 @@ import torch
 
 from pulsectl._io import default_workers, ordered_map, window_for
 from pulsectl.checkpoint import FileEntry, SafetensorsHeader, TensorInfo, build_header, parse_header
-from pulsectl.codecs import decode_block
+from pulsectl.codecs import decode_block, decode_moves
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, DiffSummary, diff_checkpoints
 from pulsectl.errors import IntegrityError, UsageError
@@ -381,7 +381,7 @@ def apply_patch(
     bb = header.block_bytes
     updates: list[_Update] = []
 
-    def tasks() -> Iterator[Callable[[], tuple[np.ndarray | None, np.ndarray]]]:
+    def tasks() -> Iterator[Callable[[], tuple[np.ndarray | None, np.ndarray, np.ndarray | None]]]:
         for index, item in enumerate(header.items):
             nblocks = blocks_in(item.nbytes, bb)
             reader.read_frame(index, nblocks)
@@ -401,13 +401,14 @@ def apply_patch(
         positions: list[np.ndarray] = []
         words: list[np.ndarray] = []
         for b in range(blocks_in(item.nbytes, bb)):
-            old, new = next(results)
+            old, new, pos = next(results)
             h.update(new)
             if item.base_name is None:
                 words.append(new)
             else:
                 assert old is not None
-                pos = find_changes(old, new, item.word)
+                if pos is None:  # a block stored whole: compare to find what changed
+                    pos = find_changes(old, new, item.word)
                 positions.append(pos + b * bb // item.word)
                 words.append(new.view(_NP_WORD[item.word])[pos])
         got = h.hexdigest()
@@ -457,10 +458,16 @@ def apply_patch(
 
 def _decode(
     codec: int, payload: bytes, base: torch.Tensor | None, offset: int, size: int, word: int
-) -> Callable[[], tuple[np.ndarray | None, np.ndarray]]:
-    def run() -> tuple[np.ndarray | None, np.ndarray]:
+) -> Callable[[], tuple[np.ndarray | None, np.ndarray, np.ndarray | None]]:
+    def run() -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
         old = None if base is None else _to_numpy(base[offset : offset + size])
-        return old, decode_block(codec, payload, old, size, word)
+        moves = None if old is None else decode_moves(codec, payload, old, word)
+        if moves is None:
+            return old, decode_block(codec, payload, old, size, word), None
+        assert old is not None
+        new = old.copy()
+        new.view(_NP_WORD[word])[moves[0]] += moves[1]
+        return old, new, moves[0]  # the changed words, known without comparing again
 
     return run
 
