@@ -27,6 +27,7 @@ from pulsectl._atomic import check_target, install, os_error, remove, temp_path
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves
+from pulsectl.codecs._bits import UINT_OF_WORD
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
@@ -712,7 +713,7 @@ def _decode_task(
             else:
                 assert old is not None
                 out = old  # patched in place: its base fingerprint is already taken
-                words = out.view(_UINT[item.word])
+                words = out.view(UINT_OF_WORD[item.word])
                 words[moves[0]] += moves[1]
         except CorruptPatchError as exc:
             raise CorruptPatchError(
@@ -758,9 +759,6 @@ class _Chain:
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
-
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _check_space(out: Path, need: int) -> None:

@@ -198,3 +198,28 @@ def test_device_path_over_live_tensors_is_byte_identical():
         options = DiffOptions(workers=2, device="cpu", context=context, level=19 if context else 3)
         diff_checkpoints(StateDictSource(old), StateDictSource(new), buf, options=options)
         assert buf.getvalue() == make_patch(old, new, level="max" if context else 3)
+
+
+def test_apply_patch_moves_every_word_width() -> None:
+    """Changed words come from the codec's moves, scattered as unsigned words that wrap: 1-, 2-,
+    4- and 8-byte dtypes (negative moves included) end byte-exact."""
+    from pulsectl.torch_api import apply_patch, make_patch
+
+    gen = torch.Generator().manual_seed(3)
+    old = {
+        "u8": torch.randint(0, 256, (4096,), generator=gen, dtype=torch.uint8),
+        "bf16": torch.randn(4096, generator=gen).to(torch.bfloat16),
+        "f32": torch.randn(4096, generator=gen),
+        "f64": torch.randn(4096, generator=gen, dtype=torch.float64),
+        "i64": torch.randint(-(2**62), 2**62, (4096,), generator=gen, dtype=torch.int64),
+    }
+    new = {k: v.clone() for k, v in old.items()}
+    new["u8"][::5] += 3
+    new["bf16"][::9] = new["bf16"][::9] * 1.01
+    new["f32"][::4] -= 1e-3
+    new["f64"][::6] *= -1.0
+    new["i64"][::3] -= 2**61
+    state = {k: v.clone() for k, v in old.items()}
+    apply_patch(state, make_patch(old, new))
+    for k in new:
+        assert torch.equal(state[k].view(torch.uint8), new[k].view(torch.uint8)), k

@@ -11,7 +11,9 @@ from pulsectl import _zstd
 from pulsectl.errors import CorruptPatchError
 
 MAX_RICE_K = 31
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# The unsigned integer type of each word width: words are compared, moved and scattered as these.
+UINT_OF_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT = UINT_OF_WORD
 _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
