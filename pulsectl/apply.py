@@ -302,8 +302,9 @@ def _apply_parts(
 
     Block patches are read side by side, each front to back, taking each tensor's frame from
     the patch that has it; every other byte comes from BASE. Workers read the base blocks,
-    decode and write them at their offsets; this thread hashes, in order, what each base
-    tensor was (its ``base_fingerprint``) and what was written (the target fingerprints).
+    hash them in block order into their tensor's base fingerprint (``_Chain``), decode and
+    write them at their offsets; this thread checks those fingerprints and hashes, in order,
+    what was written (the target fingerprints).
     """
     plan = _plan(parts, base)
     first = parts[0][1]
