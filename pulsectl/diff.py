@@ -288,7 +288,7 @@ class _HeldWriter:
         self._make_header = make_header
         self._ready = ready  # true once make_header will not block
         self._writer: PatchWriter | None = None
-        self._held: list[tuple[int, int] | tuple[int, bytes, None]] = []
+        self._held: list[Callable[[PatchWriter], object]] = []  # writes to replay, in order
         self._held_bytes = 0
         self.header: PatchHeader | None = None
 
@@ -296,11 +296,8 @@ class _HeldWriter:
         if self._writer is None:
             self.header = self._make_header()
             self._writer = PatchWriter(self._out, self.header.to_json())
-            for op in self._held:
-                if len(op) == 2:
-                    self._writer.begin_frame(op[0], op[1])
-                else:
-                    self._writer.add_block(op[0], op[1])
+            for write in self._held:
+                write(self._writer)
             self._held.clear()
         return self._writer
 
@@ -312,7 +309,7 @@ class _HeldWriter:
     def begin_frame(self, index: int, nblocks: int) -> int:
         w = self._direct()
         if w is None:
-            self._held.append((index, nblocks))
+            self._held.append(lambda w: w.begin_frame(index, nblocks))
         else:
             w.begin_frame(index, nblocks)
         return FRAME_HEAD.size
@@ -321,7 +318,7 @@ class _HeldWriter:
         w = self._direct()
         if w is not None:
             return w.add_block(codec, payload)
-        self._held.append((codec, payload, None))
+        self._held.append(lambda w: w.add_block(codec, payload))
         self._held_bytes += len(payload)
         return BLOCK_HEAD.size + len(payload) + BLOCK_CHECK.size
 
