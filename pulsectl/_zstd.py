@@ -25,6 +25,37 @@ def compress(data: bytes | memoryview | np.ndarray, level: int) -> bytes:
     return cctx.compress(memoryview(data))
 
 
+# Value planes (the zigzag bytes of the moves) are nearly memoryless: a few small values with
+# skewed frequencies. zstd's match search finds little in them and its levels 1-3 spend time on
+# it for larger output; a fast strategy with a tiny hash table and long minimum matches leaves
+# them to zstd's literal Huffman stage. Measured on the value planes of nine benchmark blocks:
+# 12% smaller and 2.7x faster than level 3, 5% smaller and 1.8x faster than level 1.
+PLANE_FAST_LEVEL = 3  # levels up to this one compress value planes with the parameters below
+_PLANE_PARAMS = {
+    "window_log": 17,
+    "hash_log": 6,
+    "chain_log": 6,
+    "search_log": 1,
+    "min_match": 7,
+    "target_length": 0,
+    "strategy": zstandard.STRATEGY_FAST,
+    "write_content_size": 1,  # the reader checks each frame's size
+    "write_checksum": 0,  # blocks carry their own checksum
+}
+
+
+def compress_plane(data: bytes | memoryview | np.ndarray, level: int) -> bytes:
+    """One zstd frame of a value plane: the literal-oriented parameters up to level
+    ``PLANE_FAST_LEVEL``, the level's own parameters above it."""
+    if level > PLANE_FAST_LEVEL:
+        return compress(data, level)
+    cctx = getattr(_local, "plane_cctx", None)
+    if cctx is None:
+        params = zstandard.ZstdCompressionParameters(**_PLANE_PARAMS)
+        cctx = _local.plane_cctx = zstandard.ZstdCompressor(compression_params=params)
+    return cctx.compress(memoryview(data))
+
+
 def decompress(data: bytes | memoryview, size: int) -> bytes:
     """Decompress one frame that must hold exactly ``size`` bytes."""
     dctx = getattr(_local, "dctx", None)

@@ -27,7 +27,7 @@ from pulsectl._atomic import check_target, install, os_error, remove, temp_path
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves
-from pulsectl.codecs._bits import UINT_OF_WORD
+from pulsectl.codecs._bits import add_moves
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
@@ -714,8 +714,7 @@ def _decode_task(
             else:
                 assert old is not None
                 out = old  # patched in place: its base fingerprint is already taken
-                words = out.view(UINT_OF_WORD[item.word])
-                words[moves[0]] += moves[1]
+                add_moves(out, moves[0], moves[1], item.word)
         except CorruptPatchError as exc:
             raise CorruptPatchError(
                 f"{patch_name}: tensor {item.label!r}: {exc}",

@@ -39,7 +39,8 @@ def diff(
             metavar="LEVEL",
             help=(
                 f"Size/speed trade-off: 1..{MAX_LEVEL} (zstd level of the codec planes, default "
-                f"{DEFAULT_LEVEL}), or 'max' (base-context codec, smallest patches, slower)."
+                f"{DEFAULT_LEVEL}; 1-3 share fast value-plane settings), or 'max' (base-context "
+                "codec, smallest patches, slower)."
             ),
         ),
     ] = str(DEFAULT_LEVEL),

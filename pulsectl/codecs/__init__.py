@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pulsectl.codecs import context, delta, raw, rice
-from pulsectl.codecs._bits import best_rice, order0_bits, rice_cost, value_planes
+from pulsectl.codecs._bits import change_planes, order0_bits, rice_cost
 from pulsectl.errors import CorruptPatchError
 
 CODEC_COPY = 0  # identical to the base block; empty payload
@@ -65,21 +65,19 @@ def encode_block(
         positions = delta.find_changes(old, new, word)
     if positions.size == 0:
         return EncodedBlock(CODEC_COPY, b"", 0)
-    moved = new.view(_UINT[word])[positions] - old.view(_UINT[word])[positions]
     # With the context codec on (`--level max`) codecs 3 and 5 are only its fallback: probing
     # them at a fast zstd level saves half of the encoding time and rarely changes the choice.
     probe = min(level, _PROBE_LEVEL) if key is not None else level
-    gaps = np.diff(positions, prepend=-1) - 1
-    k = best_rice(gaps)
-    values = value_planes(moved, word, probe)  # the same planes in codecs 3 and 5
+    streams = rice.rice_streams(positions)
+    values = change_planes(old, new, positions, word, probe)  # the same in codecs 3 and 5
     best = EncodedBlock(
         CODEC_RICE,
-        rice.encode_moves(positions, moved, word, probe, gaps=gaps, k=k, values=values),
+        rice.encode_moves(positions, None, word, probe, values=values, streams=streams),
         positions.size,
     )
-    if not _rice_fits(gaps, k):
+    if not _rice_fits(positions, streams[0]):
         # Gaps far from geometric (runs, rows, strides): codec 3's zstd planes can find them.
-        payload = delta.encode_moves(positions, moved, word, probe, gaps=gaps, values=values)
+        payload = delta.encode_moves(positions, None, word, probe, values=values)
         if len(payload) < len(best.payload):
             best = EncodedBlock(CODEC_DELTA, payload, positions.size)
     if key is not None:
@@ -102,17 +100,22 @@ _RICE_SLACK = 1.1
 _ESTIMATE_SAMPLE = 1 << 16
 
 
-def _rice_fits(gaps: np.ndarray, k: int) -> bool:
-    """Whether one Rice parameter codes ``gaps`` close to their order-0 entropy.
+def _rice_fits(positions: np.ndarray, k: int) -> bool:
+    """Whether one Rice parameter codes the gaps between ``positions`` close to their order-0
+    entropy.
 
     The gaps of an Adam step's changes are close to geometric, where Rice coding is within a
     few hundredths of a bit of the entropy and codec 3 is never smaller (measured: rice alone
     is within 0.2% of the better of the two on every pair of the benchmark). Clustered or
     strided changes have a much lower entropy than Rice coding reaches.
     """
-    if gaps.size > _ESTIMATE_SAMPLE:  # an estimate: every n-th gap is enough
-        step = gaps.size // _ESTIMATE_SAMPLE
-        gaps = gaps[::step]
+    if positions.size > _ESTIMATE_SAMPLE:  # an estimate: every n-th gap is enough
+        at = np.arange(0, positions.size, positions.size // _ESTIMATE_SAMPLE)
+        before = positions[np.maximum(at - 1, 0)]
+        before[0] = -1
+        gaps = positions[at] - before - 1
+    else:
+        gaps = np.diff(positions, prepend=-1) - 1
     return rice_cost(gaps, k) <= _RICE_SLACK * order0_bits(gaps) + 64
 
 

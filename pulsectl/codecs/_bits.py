@@ -8,6 +8,7 @@ import struct
 import numpy as np
 
 from pulsectl import _zstd
+from pulsectl.codecs import _fast
 from pulsectl.errors import CorruptPatchError
 
 MAX_RICE_K = 31
@@ -15,6 +16,24 @@ MAX_RICE_K = 31
 UINT_OF_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _UINT = UINT_OF_WORD
 _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def add_moves(block: np.ndarray, positions: np.ndarray, moved: np.ndarray, word: int) -> None:
+    """``block`` (uint8, writable) with each word at ``positions`` moved by ``moved`` (unsigned,
+    wrapping), in place."""
+    fast = _fast.native
+    if (
+        fast is not None
+        and block.flags.c_contiguous
+        and positions.dtype == np.int64
+        and positions.flags.c_contiguous
+        and moved.flags.c_contiguous
+        and moved.itemsize == word
+    ):
+        fast.scatter_add(block, positions, moved, word)
+        return
+    words = block.view(_UINT[word])
+    words[positions] += moved.astype(_UINT[word], copy=False)
 
 
 def best_rice(gaps: np.ndarray) -> int:
@@ -136,7 +155,27 @@ def value_planes(moved: np.ndarray, word: int, level: int) -> list[bytes]:
     planes = [
         np.ascontiguousarray(zigzag.view(np.uint8).reshape(-1, word)[:, p]) for p in range(word)
     ]
-    return [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
+    return [b"" if not plane.any() else _zstd.compress_plane(plane, level) for plane in planes]
+
+
+def change_planes(
+    old: np.ndarray, new: np.ndarray, positions: np.ndarray, word: int, level: int
+) -> list[bytes]:
+    """``value_planes`` of the moves of the words at ``positions`` from ``old`` to ``new``."""
+    fast = _fast.native
+    if fast is None or not (old.flags.c_contiguous and new.flags.c_contiguous):
+        utype = _UINT[word]
+        moved = new.view(utype)[positions] - old.view(utype)[positions]
+        return value_planes(moved, word, level)
+    raw = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
+    count = positions.size
+    planes = [memoryview(raw)[p * count : (p + 1) * count] for p in range(word)]
+    return [_compress_plane(plane, level) for plane in planes]
+
+
+def _compress_plane(plane: memoryview, level: int) -> bytes:
+    """b"" for an all-zero plane, else one zstd frame."""
+    return _zstd.compress_plane(plane, level) if np.frombuffer(plane, np.uint8).any() else b""
 
 
 def join_planes(packed: list[bytes]) -> bytes:
@@ -166,13 +205,20 @@ def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.nda
     offset += 4 * word
     if offset + sum(plane_sizes) != len(view):
         raise CorruptPatchError("block value planes do not add up to its length")
-    values = np.zeros((count, word), dtype=np.uint8)
-    for p, size in enumerate(plane_sizes):
-        if size:
-            plane = _zstd.decompress(view[offset : offset + size], count)
-            values[:, p] = np.frombuffer(plane, dtype=np.uint8)
+    planes: list[bytes | None] = []
+    for size in plane_sizes:
+        planes.append(_zstd.decompress(view[offset : offset + size], count) if size else None)
         offset += size
     utype, stype = _UINT[word], _SINT[word]
+    fast = _fast.native
+    if fast is not None:
+        return np.frombuffer(fast.unzigzag(tuple(planes), count, word), dtype=f"<u{word}").astype(
+            utype, copy=False
+        )
+    values = np.zeros((count, word), dtype=np.uint8)
+    for p, plane in enumerate(planes):
+        if plane is not None:
+            values[:, p] = np.frombuffer(plane, dtype=np.uint8)
     zigzag = values.view(f"<u{word}").reshape(count).astype(utype)
     signed = (zigzag >> 1).view(stype) ^ -(zigzag & 1).view(stype)
     return signed.view(utype)

@@ -25,6 +25,7 @@ import numpy as np
 from pulsectl import _zstd
 from pulsectl.codecs._bits import (
     MAX_RICE_K,
+    add_moves,
     best_rice,
     pack_bits,
     pack_moves,
@@ -113,8 +114,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a context-delta payload."""
     positions, moved = decode_moves(old, payload, word)
     out = old.copy()
-    words = out.view(_UINT[word])
-    words[positions] = words[positions] + moved
+    add_moves(out, positions, moved, word)
     return out
 
 

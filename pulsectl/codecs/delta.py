@@ -19,7 +19,8 @@ import struct
 import numpy as np
 
 from pulsectl import _zstd
-from pulsectl.codecs._bits import value_planes
+from pulsectl.codecs import _fast
+from pulsectl.codecs._bits import add_moves, value_planes
 from pulsectl.errors import CorruptPatchError
 
 _HEAD = struct.Struct("<IBBH")
@@ -29,6 +30,9 @@ _SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 def find_changes(old: np.ndarray, new: np.ndarray, word: int) -> np.ndarray:
     """Indices (int64) of the words of ``new`` whose bytes differ from ``old``."""
+    fast = _fast.native
+    if fast is not None and old.flags.c_contiguous and new.flags.c_contiguous:
+        return np.frombuffer(fast.changes(old, new, word), dtype=np.int64)
     utype = _UINT[word]
     return np.flatnonzero(old.view(utype) != new.view(utype))
 
@@ -42,7 +46,7 @@ def encode(old: np.ndarray, new: np.ndarray, word: int, positions: np.ndarray, l
 
 def encode_moves(
     positions: np.ndarray,
-    moved: np.ndarray,
+    moved: np.ndarray | None,
     word: int,
     level: int,
     *,
@@ -62,7 +66,7 @@ def encode_moves(
     gaps32 = gaps.astype("<u4")
     planes = [_plane(gaps32, 4, p) for p in range(gap_bytes)]
     packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
-    packed += values if values is not None else value_planes(moved, word, level)
+    packed += values if values is not None else value_planes(_given(moved), word, level)
     head = _HEAD.pack(count, gap_bytes, word, 0) + struct.pack(
         f"<{len(packed)}I", *(len(p) for p in packed)
     )
@@ -73,8 +77,7 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a delta payload."""
     positions, moved = decode_moves(payload, word, old.size // word)
     out = old.copy()
-    words = out.view(_UINT[word])
-    words[positions] = words[positions] + moved
+    add_moves(out, positions, moved, word)
     return out
 
 
@@ -122,3 +125,9 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
 def _plane(values: np.ndarray, width: int, index: int) -> np.ndarray:
     """Byte ``index`` (0 = least significant) of each little-endian ``width``-byte value."""
     return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width)[:, index])
+
+
+def _given(moved: np.ndarray | None) -> np.ndarray:
+    if moved is None:
+        raise ValueError("moved is needed when values are not given")
+    return moved

@@ -17,8 +17,10 @@ import struct
 
 import numpy as np
 
+from pulsectl.codecs import _fast
 from pulsectl.codecs._bits import (
     MAX_RICE_K,
+    add_moves,
     best_rice,
     join_planes,
     pack_fixed,
@@ -36,24 +38,22 @@ _HEAD = struct.Struct("<IBBH")
 
 def encode_moves(
     positions: np.ndarray,
-    moved: np.ndarray,
+    moved: np.ndarray | None,
     word: int,
     level: int,
     *,
     gaps: np.ndarray | None = None,
     k: int | None = None,
     values: list[bytes] | None = None,
+    streams: tuple[int, bytes, bytes] | None = None,
 ) -> bytes:
     """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``.
 
-    ``gaps``, ``k`` and ``values`` (from ``_bits.value_planes``) may be given when the caller
-    has them already."""
-    if gaps is None:
-        gaps = np.diff(positions, prepend=-1) - 1
-    if k is None:
-        k = best_rice(gaps)
-    unary = pack_unary(gaps >> k)
-    remainder = pack_fixed(gaps & ((1 << k) - 1), k)
+    ``gaps``, ``k``, ``values`` (from ``_bits.value_planes``) and ``streams`` (from
+    ``rice_streams``) may be given when the caller has them already."""
+    if streams is None:
+        streams = rice_streams(positions, gaps=gaps, k=k)
+    k, unary, remainder = streams
     return b"".join(
         [
             _HEAD.pack(positions.size, word, k, 0),
@@ -61,9 +61,25 @@ def encode_moves(
             unary,
             struct.pack("<I", len(remainder)),
             remainder,
-            join_planes(values if values is not None else value_planes(moved, word, level)),
+            join_planes(values if values is not None else value_planes(_given(moved), word, level)),
         ]
     )
+
+
+def rice_streams(
+    positions: np.ndarray, *, gaps: np.ndarray | None = None, k: int | None = None
+) -> tuple[int, bytes, bytes]:
+    """The Rice parameter (the fewest bits; the smallest on a tie, unless ``k`` is given), the
+    unary stream and the remainder stream of the gaps between ``positions``."""
+    fast = _fast.native
+    if fast is not None and k is None and positions.flags.c_contiguous:
+        k, unary, remainder = fast.rice_encode(positions.astype(np.int64, copy=False))
+        return k, unary, remainder
+    if gaps is None:
+        gaps = np.diff(positions, prepend=-1) - 1
+    if k is None:
+        k = best_rice(gaps)
+    return k, pack_unary(gaps >> k), pack_fixed(gaps & ((1 << k) - 1), k)
 
 
 def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +94,10 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
         raise CorruptPatchError(f"rice block claims {count} changes in {nwords} words")
     unary, offset = take_sized(view, _HEAD.size)
     remainder, offset = take_sized(view, offset)
+    fast = _fast.native
+    if fast is not None:
+        positions = np.frombuffer(fast.rice_decode(unary, remainder, count, k, nwords), np.int64)
+        return positions, unpack_moves(view, offset, count, word)
     # Quotients are at most the gaps, which add up to less than nwords: read no further.
     ends = unary_ends(unary[: (count + nwords + 7) // 8], count)
     rems = unpack_fixed(remainder, count, k)
@@ -95,9 +115,13 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
 
 def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a Rice delta payload."""
-    utype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[word]
     positions, moved = decode_moves(payload, word, old.size // word)
     out = old.copy()
-    words = out.view(utype)
-    words[positions] = words[positions] + moved
+    add_moves(out, positions, moved, word)
     return out
+
+
+def _given(moved: np.ndarray | None) -> np.ndarray:
+    if moved is None:
+        raise ValueError("moved is needed when values are not given")
+    return moved

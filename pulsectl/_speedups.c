@@ -1,0 +1,582 @@
+/* Compiled inner loops of the codecs: finding changed words, Rice coding and scattering moves.
+ *
+ * Optional: pulsectl/codecs/_fast.py falls back to numpy when this module is not built, and
+ * every function here gives exactly the bytes (or values) of its numpy counterpart; the tests
+ * cross-check the two. The loops run without the GIL, so the worker threads run them in
+ * parallel.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define LITTLE_ENDIAN_HOST 1
+#else
+#define LITTLE_ENDIAN_HOST 0
+#endif
+
+#define MAX_RICE_K 31
+
+static PyObject *CorruptError; /* set by the Python side: pulsectl.errors.CorruptPatchError */
+
+static PyObject *corrupt(const char *message) {
+    PyErr_SetString(CorruptError ? CorruptError : PyExc_ValueError, message);
+    return NULL;
+}
+
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t x;
+    memcpy(&x, p, 8);
+    return x;
+}
+
+/* ---------------------------------------------------------------- changed words */
+
+typedef uint16_t __attribute__((may_alias, aligned(1))) u16a;
+typedef uint32_t __attribute__((may_alias, aligned(1))) u32a;
+typedef uint64_t __attribute__((may_alias, aligned(1))) u64a;
+
+static inline int span_differs(const uint8_t *x, const uint8_t *y) {
+    return ((load64(x) ^ load64(y)) | (load64(x + 8) ^ load64(y + 8)) |
+            (load64(x + 16) ^ load64(y + 16)) | (load64(x + 24) ^ load64(y + 24))) != 0;
+}
+
+/* Count, then list, the words that differ: one function per word type, so the counting loop
+ * vectorises. The listing skips equal 32-byte spans and stores branch-free inside the others:
+ * every index is written and the count moves on only where the words differ. */
+#define CHANGES_OF(NAME, T)                                                                   \
+    static size_t NAME##_count(const uint8_t *a, const uint8_t *b, size_t nwords) {           \
+        const T *x = (const T *)a, *y = (const T *)b;                                         \
+        size_t total = 0;                                                                     \
+        for (size_t i = 0; i < nwords; i++) total += x[i] != y[i];                            \
+        return total;                                                                         \
+    }                                                                                         \
+    static size_t NAME##_list(const uint8_t *a, const uint8_t *b, size_t nwords, int64_t *out, \
+                              size_t cap) {                                                   \
+        const T *x = (const T *)a, *y = (const T *)b;                                         \
+        const size_t per_span = 32 / sizeof(T);                                               \
+        size_t count = 0, i = 0;                                                              \
+        for (; i < nwords; i += per_span) {                                                   \
+            size_t end = i + per_span <= nwords ? i + per_span : nwords;                      \
+            if (end - i == per_span && !span_differs(a + i * sizeof(T), b + i * sizeof(T)))   \
+                continue;                                                                     \
+            if (count + (end - i) < cap) {                                                    \
+                for (size_t j = i; j < end; j++) {                                            \
+                    out[count] = (int64_t)j;                                                  \
+                    count += x[j] != y[j];                                                    \
+                }                                                                             \
+            } else { /* near the end of `out`: checked stores */                              \
+                for (size_t j = i; j < end; j++) {                                            \
+                    if (x[j] == y[j]) continue;                                               \
+                    if (count == cap) return SIZE_MAX;                                        \
+                    out[count++] = (int64_t)j;                                                \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        return count;                                                                         \
+    }
+
+CHANGES_OF(w1, uint8_t)
+CHANGES_OF(w2, u16a)
+CHANGES_OF(w4, u32a)
+CHANGES_OF(w8, u64a)
+
+/* changes(old, new, word) -> bytearray of the int64 indices of the words that differ. */
+static PyObject *changes(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    int word;
+    if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
+    PyObject *result = NULL;
+    if (a.len != b.len || !(word == 1 || word == 2 || word == 4 || word == 8) || a.len % word) {
+        PyErr_SetString(PyExc_ValueError, "changes: blocks of different sizes or a bad word");
+        goto done;
+    }
+    size_t (*count_of)(const uint8_t *, const uint8_t *, size_t) =
+        word == 1 ? w1_count : word == 2 ? w2_count : word == 4 ? w4_count : w8_count;
+    size_t (*list_of)(const uint8_t *, const uint8_t *, size_t, int64_t *, size_t) =
+        word == 1 ? w1_list : word == 2 ? w2_list : word == 4 ? w4_list : w8_list;
+    size_t nwords = (size_t)a.len / (size_t)word, total, count;
+    Py_BEGIN_ALLOW_THREADS
+    total = count_of(a.buf, b.buf, nwords);
+    Py_END_ALLOW_THREADS
+    result = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)((total + 1) * 8));
+    if (!result) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    count = list_of(a.buf, b.buf, nwords, (int64_t *)PyByteArray_AS_STRING(result), total + 1);
+    Py_END_ALLOW_THREADS
+    if (count != total) {
+        PyErr_SetString(PyExc_RuntimeError, "changes: a block changed while it was read");
+        Py_CLEAR(result);
+    } else if (PyByteArray_Resize(result, (Py_ssize_t)(count * 8)) < 0) {
+        Py_CLEAR(result);
+    }
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return result;
+}
+
+/* The zigzag moves of the words at pos, byte j of each into plane j (planes n bytes apart). */
+#define ZIGZAG(T, S, A, B, POS, N, OUT)                                                       \
+    do {                                                                                      \
+        const T *x = (const T *)(A), *y = (const T *)(B);                                     \
+        for (size_t i = 0; i < (N); i++) {                                                    \
+            uint64_t d = (uint64_t)(T)(y[(POS)[i]] - x[(POS)[i]]);                            \
+            S sd = (S)d; /* two's complement: the move as a signed integer */                 \
+            uint64_t z = ((uint64_t)d << 1) ^ (uint64_t)(int64_t)(sd < 0 ? -1 : 0);           \
+            for (size_t j = 0; j < sizeof(T); j++) (OUT)[j * (N) + i] = (uint8_t)(z >> (8 * j)); \
+        }                                                                                     \
+    } while (0)
+
+/* zigzag_planes(old, new, positions, word) -> bytes: the value planes of codecs 3-5 before
+ * compression, plane 0 first, each len(positions) bytes: byte p of zigzag(new - old) of each
+ * changed word. */
+static PyObject *zigzag_planes(PyObject *self, PyObject *args) {
+    Py_buffer a, b, p;
+    int word;
+    if (!PyArg_ParseTuple(args, "y*y*y*i", &a, &b, &p, &word)) return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)p.len / 8;
+    if (a.len != b.len || !(word == 1 || word == 2 || word == 4 || word == 8) || a.len % word ||
+        p.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "zigzag_planes: mismatched arguments");
+        goto done;
+    }
+    const int64_t *pos = p.buf;
+    size_t nwords = (size_t)a.len / (size_t)word;
+    for (size_t i = 0; i < n; i++) {
+        if (pos[i] < 0 || (size_t)pos[i] >= nwords) {
+            PyErr_SetString(PyExc_IndexError, "zigzag_planes: position out of range");
+            goto done;
+        }
+    }
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (size_t)word));
+    if (!result) goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    switch (word) {
+    case 1: ZIGZAG(uint8_t, int8_t, a.buf, b.buf, pos, n, out); break;
+    case 2: ZIGZAG(u16a, int16_t, a.buf, b.buf, pos, n, out); break;
+    case 4: ZIGZAG(u32a, int32_t, a.buf, b.buf, pos, n, out); break;
+    default: ZIGZAG(u64a, int64_t, a.buf, b.buf, pos, n, out);
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&p);
+    return result;
+}
+
+/* ---------------------------------------------------------------- Rice coding */
+
+typedef struct {
+    uint8_t *out;
+    size_t at;
+    uint64_t acc;
+    int bits;
+} BitWriter;
+
+/* Append the low `count` (<= 32) bits of `value`, most significant first. */
+static inline void put_bits(BitWriter *w, uint64_t value, int count) {
+    w->acc = (w->acc << count) | value;
+    w->bits += count;
+    if (w->bits >= 32) { /* 32 whole bits: store them, most significant byte first */
+        w->bits -= 32;
+        uint32_t top = (uint32_t)(w->acc >> w->bits);
+        uint8_t *o = w->out + w->at;
+        o[0] = (uint8_t)(top >> 24);
+        o[1] = (uint8_t)(top >> 16);
+        o[2] = (uint8_t)(top >> 8);
+        o[3] = (uint8_t)top;
+        w->at += 4;
+    }
+}
+
+static inline void flush_bits(BitWriter *w) {
+    while (w->bits >= 8) {
+        w->bits -= 8;
+        w->out[w->at++] = (uint8_t)(w->acc >> w->bits);
+    }
+    if (w->bits) w->out[w->at++] = (uint8_t)(w->acc << (8 - w->bits));
+    w->bits = 0;
+}
+
+static inline void put_unary(BitWriter *w, uint64_t q) {
+    while (q >= 31) {
+        put_bits(w, 0x7FFFFFFFull, 31);
+        q -= 31;
+    }
+    put_bits(w, ((1ull << q) - 1) << 1, (int)q + 1);
+}
+
+/* out[j] = sum over the gaps g of g >> (from + j), for j < count <= 5. */
+static void quotient_sums(const int64_t *pos, size_t n, int from, int count, uint64_t *out) {
+    uint64_t g = (uint64_t)pos[0]; /* the first gap counts from -1 */
+    uint64_t s0 = g >> from, s1 = g >> (from + 1), s2 = g >> (from + 2), s3 = g >> (from + 3),
+             s4 = g >> (from + 4);
+    for (size_t i = 1; i < n; i++) {
+        g = (uint64_t)(pos[i] - pos[i - 1] - 1);
+        s0 += g >> from;
+        s1 += g >> (from + 1);
+        s2 += g >> (from + 2);
+        s3 += g >> (from + 3);
+        s4 += g >> (from + 4);
+    }
+    uint64_t part[5] = {s0, s1, s2, s3, s4};
+    for (int j = 0; j < count; j++) out[j] = part[j];
+}
+
+static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+/* rice_encode(positions) -> (k, unary, remainder): the Rice parameter with the fewest bits
+ * (the smallest on a tie), the unary stream of the quotients and the k-bit remainders of the
+ * gaps between the sorted positions (int64, the first gap counted from -1). */
+static PyObject *rice_encode(PyObject *self, PyObject *args) {
+    Py_buffer p;
+    if (!PyArg_ParseTuple(args, "y*", &p)) return NULL;
+    PyObject *result = NULL, *unary = NULL, *remainder = NULL;
+    size_t n = (size_t)p.len / 8;
+    if (p.len % 8 || n == 0) {
+        PyErr_SetString(PyExc_ValueError, "rice_encode: positions must be non-empty int64");
+        goto done;
+    }
+    const int64_t *pos = p.buf;
+    uint64_t seen = 0, sum = 0;
+    int ordered = 1;
+    Py_BEGIN_ALLOW_THREADS
+    ordered = pos[0] >= 0;
+    seen = sum = (uint64_t)pos[0];
+    for (size_t i = 1; i < n; i++) {
+        ordered &= pos[i] > pos[i - 1];
+        uint64_t g = (uint64_t)(pos[i] - pos[i - 1] - 1);
+        seen |= g;
+        sum += g;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ordered) {
+        PyErr_SetString(PyExc_ValueError, "rice_encode: positions must increase");
+        goto done;
+    }
+    /* The bits of Rice coding with parameter k, sum(g >> k) + n (k + 1), are convex in k:
+     * their step from k to k + 1 is n - sum(ceil((g >> k) / 2)), which never decreases. So the
+     * first minimum of a window is the first minimum overall unless it sits on an edge that
+     * can still move; the window starts around log2 of the mean gap. */
+    int top = bit_length(seen);
+    if (top < 1) top = 1;
+    int kmax = top < MAX_RICE_K ? top : MAX_RICE_K;
+    int guess = bit_length(sum / n);
+    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > kmax ? kmax : guess + 2;
+    if (lo > hi) lo = hi;
+    uint64_t quot[MAX_RICE_K + 1];
+    int have_lo = lo, have_hi = hi, k = lo;
+    Py_BEGIN_ALLOW_THREADS
+    quotient_sums(pos, n, lo, hi - lo + 1, quot + lo);
+    for (;;) {
+        if (lo < have_lo) quotient_sums(pos, n, lo, 1, quot + lo), have_lo = lo;
+        if (hi > have_hi) quotient_sums(pos, n, hi, 1, quot + hi), have_hi = hi;
+        k = lo;
+        for (int kk = lo + 1; kk <= hi; kk++) {
+            if (quot[kk] + (uint64_t)n * (kk + 1) < quot[k] + (uint64_t)n * (k + 1)) k = kk;
+        }
+        if (k == lo && lo > 0) lo--; /* the first minimum may lie lower */
+        else if (k == hi && hi < kmax) hi++; /* or higher */
+        else break;
+    }
+    Py_END_ALLOW_THREADS
+    uint64_t best_quot = quot[k];
+    unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((best_quot + n + 7) / 8));
+    remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)n * k + 7) / 8));
+    if (!unary || !remainder) goto done;
+    BitWriter u = {(uint8_t *)PyBytes_AS_STRING(unary), 0, 0, 0};
+    BitWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t low = (1ull << k) - 1;
+    int64_t prev = -1;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t g = (uint64_t)(pos[i] - prev - 1);
+        prev = pos[i];
+        put_unary(&u, g >> k);
+        if (k) put_bits(&r, g & low, k);
+    }
+    flush_bits(&u);
+    flush_bits(&r);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("iOO", k, unary, remainder);
+done:
+    Py_XDECREF(unary);
+    Py_XDECREF(remainder);
+    PyBuffer_Release(&p);
+    return result;
+}
+
+typedef struct {
+    const uint8_t *data;
+    size_t len, next; /* bytes, and the next byte to load */
+    uint64_t acc;     /* `bits` unread bits at the top */
+    int bits;
+    uint64_t used; /* bits consumed */
+} BitReader;
+
+/* Bytes past the end read as ones: a unary code running into them is caught as too short. */
+static inline void refill(BitReader *r) {
+    if (r->bits <= 56 && r->next + 8 <= r->len) {
+        /* Eight bytes at once. The bits of the byte after the whole ones taken land below
+         * `bits` too; the next refill ORs the same bits into the same places. */
+        const uint8_t *p = r->data + r->next;
+        uint64_t v = ((uint64_t)p[0] << 56) | ((uint64_t)p[1] << 48) | ((uint64_t)p[2] << 40) |
+                     ((uint64_t)p[3] << 32) | ((uint64_t)p[4] << 24) | ((uint64_t)p[5] << 16) |
+                     ((uint64_t)p[6] << 8) | (uint64_t)p[7];
+        r->acc |= v >> r->bits;
+        int take = (64 - r->bits) >> 3;
+        r->next += (size_t)take;
+        r->bits += 8 * take;
+        return;
+    }
+    while (r->bits <= 56) {
+        uint64_t byte = r->next < r->len ? r->data[r->next] : 0xFF;
+        r->acc |= byte << (56 - r->bits);
+        r->bits += 8;
+        r->next++;
+    }
+}
+
+static inline void skip(BitReader *r, int count) { /* count < 64 */
+    r->acc <<= count;
+    r->bits -= count;
+    r->used += count;
+}
+
+/* rice_decode(unary, remainder, count, k, nwords) -> positions (int64, as a bytearray). */
+static PyObject *rice_decode(PyObject *self, PyObject *args) {
+    Py_buffer u, rem;
+    Py_ssize_t count, nwords;
+    int k;
+    if (!PyArg_ParseTuple(args, "y*y*nin", &u, &rem, &count, &k, &nwords)) return NULL;
+    PyObject *result = NULL;
+    if (count <= 0 || count > nwords || k < 0 || k > MAX_RICE_K) {
+        PyErr_SetString(PyExc_ValueError, "rice_decode: bad count or k");
+        goto done;
+    }
+    if ((uint64_t)rem.len != ((uint64_t)count * (uint64_t)k + 7) / 8) {
+        corrupt("remainder stream has the wrong length");
+        goto done;
+    }
+    result = PyByteArray_FromStringAndSize(NULL, count * 8);
+    if (!result) goto done;
+    int64_t *out = (int64_t *)PyByteArray_AS_STRING(result);
+    /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
+    size_t ulen = (size_t)u.len, bound = ((size_t)count + (size_t)nwords + 7) / 8;
+    if (ulen > bound) ulen = bound;
+    BitReader ur = {u.buf, ulen, 0, 0, 0, 0};
+    BitReader rr = {rem.buf, (size_t)rem.len, 0, 0, 0, 0};
+    uint64_t total_bits = (uint64_t)ulen * 8, limit = (uint64_t)nwords >> k;
+    const char *error = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t at = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t q = 0;
+        for (;;) {
+            refill(&ur);
+            uint64_t inv = ~ur.acc;
+            int lead = inv ? __builtin_clzll(inv) : 64; /* ones before the first zero */
+            if (lead < ur.bits) {
+                q += (uint64_t)lead;
+                skip(&ur, lead);
+                skip(&ur, 1);
+                break;
+            }
+            q += (uint64_t)ur.bits;
+            ur.used += (uint64_t)ur.bits;
+            ur.acc = 0;
+            ur.bits = 0;
+            if (ur.used > total_bits) break;
+        }
+        if (ur.used > total_bits) {
+            error = "unary stream is too short";
+            break;
+        }
+        if (q > limit) {
+            error = "rice block points past the end of its block";
+            break;
+        }
+        uint64_t r = 0;
+        if (k) {
+            refill(&rr);
+            r = rr.acc >> (64 - k);
+            skip(&rr, k);
+        }
+        at += (int64_t)((q << k) + r + 1);
+        if (at >= (int64_t)nwords) {
+            error = "rice block points past the end of its block";
+            break;
+        }
+        out[i] = at;
+    }
+    Py_END_ALLOW_THREADS
+    if (error) {
+        Py_CLEAR(result);
+        corrupt(error);
+    }
+done:
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&rem);
+    return result;
+}
+
+/* ---------------------------------------------------------------- applying moves */
+
+/* scatter_add(words, positions, moves, word): words[p] += move, modulo 2**(8*word), in place. */
+static PyObject *scatter_add(PyObject *self, PyObject *args) {
+    Py_buffer w, p, m;
+    int word;
+    if (!PyArg_ParseTuple(args, "w*y*y*i", &w, &p, &m, &word)) return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)p.len / 8, nwords = (size_t)w.len / (size_t)(word > 0 ? word : 1);
+    if (!(word == 1 || word == 2 || word == 4 || word == 8) || p.len % 8 ||
+        (size_t)m.len != n * (size_t)word || w.len % word) {
+        PyErr_SetString(PyExc_ValueError, "scatter_add: mismatched arguments");
+        goto done;
+    }
+    const int64_t *pos = p.buf;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++) {
+        if (pos[i] < 0 || (size_t)pos[i] >= nwords) {
+            bad = 1;
+            break;
+        }
+    }
+    if (!bad) {
+        uint8_t *base = w.buf;
+        const uint8_t *mv = m.buf;
+        switch (word) {
+        case 1:
+            for (size_t i = 0; i < n; i++) base[pos[i]] += mv[i];
+            break;
+        case 2:
+            for (size_t i = 0; i < n; i++) {
+                uint16_t x, d;
+                memcpy(&x, base + 2 * pos[i], 2);
+                memcpy(&d, mv + 2 * i, 2);
+                x = (uint16_t)(x + d);
+                memcpy(base + 2 * pos[i], &x, 2);
+            }
+            break;
+        case 4:
+            for (size_t i = 0; i < n; i++) {
+                uint32_t x, d;
+                memcpy(&x, base + 4 * pos[i], 4);
+                memcpy(&d, mv + 4 * i, 4);
+                x += d;
+                memcpy(base + 4 * pos[i], &x, 4);
+            }
+            break;
+        default:
+            for (size_t i = 0; i < n; i++) {
+                uint64_t x, d;
+                memcpy(&x, base + 8 * pos[i], 8);
+                memcpy(&d, mv + 8 * i, 8);
+                x += d;
+                memcpy(base + 8 * pos[i], &x, 8);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "scatter_add: position out of range");
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&m);
+    return result;
+}
+
+/* unzigzag(planes, count, word) -> bytearray: the moves (new - old, unsigned little-endian
+ * words) from their zigzag byte planes; a plane given as None is all zero. */
+static PyObject *unzigzag(PyObject *self, PyObject *args) {
+    PyObject *planes;
+    Py_ssize_t count;
+    int word;
+    if (!PyArg_ParseTuple(args, "Oni", &planes, &count, &word)) return NULL;
+    if (!(word == 1 || word == 2 || word == 4 || word == 8) || count < 0 ||
+        !PyTuple_Check(planes) || PyTuple_GET_SIZE(planes) != word) {
+        PyErr_SetString(PyExc_ValueError, "unzigzag: want a tuple of word planes");
+        return NULL;
+    }
+    Py_buffer views[8];
+    const uint8_t *src[8];
+    int held = 0;
+    PyObject *result = NULL;
+    for (int j = 0; j < word; j++) {
+        PyObject *plane = PyTuple_GET_ITEM(planes, j);
+        src[j] = NULL;
+        if (plane == Py_None) continue;
+        if (PyObject_GetBuffer(plane, &views[j], PyBUF_SIMPLE) < 0) goto done;
+        held |= 1 << j;
+        if (views[j].len != count) {
+            PyErr_SetString(PyExc_ValueError, "unzigzag: a plane of the wrong size");
+            goto done;
+        }
+        src[j] = views[j].buf;
+    }
+    result = PyByteArray_FromStringAndSize(NULL, count * word);
+    if (!result) goto done;
+    uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    int bits = 8 * word;
+    uint64_t mask = bits == 64 ? ~0ull : (1ull << bits) - 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t z = 0;
+        for (int j = 0; j < word; j++) {
+            if (src[j]) z |= (uint64_t)src[j][i] << (8 * j);
+        }
+        uint64_t d = ((z >> 1) ^ (0 - (z & 1))) & mask;
+        for (int j = 0; j < word; j++) out[i * word + j] = (uint8_t)(d >> (8 * j));
+    }
+    Py_END_ALLOW_THREADS
+done:
+    for (int j = 0; j < word; j++) {
+        if (held & (1 << j)) PyBuffer_Release(&views[j]);
+    }
+    return result;
+}
+
+static PyObject *set_corrupt_error(PyObject *self, PyObject *cls) {
+    Py_XINCREF(cls);
+    Py_XSETREF(CorruptError, cls);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"changes", changes, METH_VARARGS,
+     "changes(old, new, word) -> bytearray of int64: the indices of the words that differ."},
+    {"zigzag_planes", zigzag_planes, METH_VARARGS,
+     "zigzag_planes(old, new, positions, word) -> bytes: the raw value planes, plane 0 first."},
+    {"rice_encode", rice_encode, METH_VARARGS,
+     "rice_encode(positions) -> (k, unary, remainder) of the gaps of sorted int64 positions."},
+    {"rice_decode", rice_decode, METH_VARARGS,
+     "rice_decode(unary, remainder, count, k, nwords) -> bytearray of int64 positions."},
+    {"scatter_add", scatter_add, METH_VARARGS,
+     "scatter_add(words, positions, moves, word): words[p] += move in place (wrapping)."},
+    {"unzigzag", unzigzag, METH_VARARGS,
+     "unzigzag(planes, count, word) -> bytearray: moves from their zigzag planes (None = zero)."},
+    {"set_corrupt_error", set_corrupt_error, METH_O,
+     "set_corrupt_error(cls): the exception raised for damaged streams."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "pulsectl._speedups",
+    "Compiled inner loops of the pulsectl codecs (optional; numpy is the fallback).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }

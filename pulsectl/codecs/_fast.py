@@ -1,0 +1,27 @@
+"""The compiled inner loops (``pulsectl._speedups``), or None to use numpy.
+
+The extension is built at install when a C compiler is present; every function in it gives the
+bytes of the numpy code it replaces (the tests run both and compare). ``PULSECTL_PURE_PYTHON=1``
+turns it off, e.g. to rule it out when chasing a bug.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from pulsectl.errors import CorruptPatchError
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("PULSECTL_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        import pulsectl._speedups as _speedups
+    except ImportError:
+        return None
+    _speedups.set_corrupt_error(CorruptPatchError)
+    return _speedups
+
+
+native = _load()

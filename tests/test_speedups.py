@@ -1,0 +1,229 @@
+"""The compiled speedups (pulsectl/_speedups.c) give exactly what the numpy code gives.
+
+Every function is run both ways on the same input: with ``_fast.native`` set (the extension) and
+with it None (numpy), and the bytes must be equal; damaged streams must be refused both ways.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pulsectl.codecs import _fast, decode_block, encode_block, rice
+from pulsectl.codecs._bits import UINT_OF_WORD, add_moves, change_planes, unpack_moves
+from pulsectl.codecs.delta import find_changes
+from pulsectl.errors import CorruptPatchError
+
+NATIVE = _fast.native
+needs_native = pytest.mark.skipif(NATIVE is None, reason="pulsectl._speedups is not built")
+WORDS = [1, 2, 4, 8]
+
+
+@contextmanager
+def pure_numpy() -> Iterator[None]:
+    saved = _fast.native
+    _fast.native = None
+    try:
+        yield
+    finally:
+        _fast.native = saved
+
+
+def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``fn()`` with the extension, then with numpy."""
+    fast = fn()
+    with pure_numpy():
+        slow = fn()
+    return fast, slow
+
+
+def test_speedups_are_built_where_a_compiler_is():
+    """CI must exercise the compiled paths: a checkout installed with a C compiler builds them."""
+    if os.environ.get("PULSECTL_PURE_PYTHON", "") not in ("", "0"):
+        pytest.skip("PULSECTL_PURE_PYTHON is set")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    assert NATIVE is not None
+
+
+@st.composite
+def block_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
+    word = draw(st.sampled_from(WORDS))
+    nwords = draw(st.integers(1, 700))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 256, nwords * word, dtype=np.uint8)
+    new = old.copy()
+    kind = draw(st.sampled_from(["sparse", "dense", "all", "tail", "small-moves", "none"]))
+    words = new.view(UINT_OF_WORD[word])
+    if kind == "sparse":
+        at = rng.integers(0, nwords, max(1, nwords // 50))
+        words[at] += np.asarray(1, dtype=words.dtype)
+    elif kind == "dense":
+        mask = rng.random(nwords) < 0.4
+        words[mask] = rng.integers(0, 2 ** min(8 * word, 63), mask.sum(), dtype=np.uint64).astype(
+            words.dtype
+        )
+    elif kind == "all":
+        words ^= np.asarray(1, dtype=words.dtype)
+    elif kind == "tail":
+        words[-1] -= np.asarray(1, dtype=words.dtype)
+    elif kind == "small-moves":
+        at = np.sort(rng.choice(nwords, size=max(1, nwords // 7), replace=False))
+        words[at] += rng.integers(-3, 4, at.size).astype(words.dtype)
+    return old, new, word
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(block_pairs())
+def test_find_changes_and_encode_block_agree(pair: tuple[np.ndarray, np.ndarray, int]):
+    old, new, word = pair
+    fast, slow = both(lambda: find_changes(old, new, word))
+    assert fast.dtype == slow.dtype == np.int64
+    assert np.array_equal(fast, slow)
+    for level in (1, 3, 7):
+        a, b = both(lambda level=level: encode_block(old, new, word, level))
+        assert a == b
+        restored = both(lambda a=a: decode_block(a.codec, a.payload, old, new.size, word))
+        assert all(r.tobytes() == new.tobytes() for r in restored)
+    if fast.size:
+        planes = both(lambda: change_planes(old, new, fast, word, 3))
+        assert planes[0] == planes[1]
+
+
+@st.composite
+def sorted_positions(draw: st.DrawFn) -> np.ndarray:
+    count = draw(st.integers(1, 3000))
+    scale = draw(st.sampled_from([1, 2, 5, 40, 1000, 10**6, 2**30]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    steps = rng.geometric(1 / scale, count) if scale > 1 else np.ones(count, dtype=np.int64)
+    if draw(st.booleans()):  # a few huge gaps among small ones
+        steps[rng.integers(0, count, 3)] += 2**27
+    return (np.cumsum(steps) - 1).astype(np.int64)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(sorted_positions())
+def test_rice_streams_and_decoding_agree(positions: np.ndarray):
+    fast, slow = both(lambda: rice.rice_streams(positions))
+    assert fast == slow  # the same k (fewest bits, smallest on a tie) and the same bytes
+    k, unary, remainder = fast
+    nwords = int(positions[-1]) + 1
+    for streams_nwords in (nwords, nwords + 12345):
+        decoded = NATIVE.rice_decode(unary, remainder, positions.size, k, streams_nwords)
+        assert np.array_equal(np.frombuffer(decoded, np.int64), positions)
+    if positions.size < nwords:  # (more changes than words is refused before decoding)
+        with pytest.raises(CorruptPatchError):  # one word short of the last position
+            NATIVE.rice_decode(unary, remainder, positions.size, k, nwords - 1)
+
+
+def _rice_payload(positions: np.ndarray, word: int = 2) -> bytes:
+    moved = np.ones(positions.size, dtype=UINT_OF_WORD[word])
+    return rice.encode_moves(positions, moved, word, 3)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "damage",
+    ["unary-truncated", "remainder-short", "remainder-long", "unary-all-ones", "count-high"],
+)
+def test_damaged_rice_streams_are_refused_both_ways(damage: str):
+    positions = np.array([3, 9, 10, 400, 401, 4000], dtype=np.int64)
+    k, unary, remainder = rice.rice_streams(positions)
+    count = positions.size
+    if damage == "unary-truncated":
+        unary = unary[: len(unary) // 2]
+    elif damage == "remainder-short":
+        remainder = remainder[:-1]
+    elif damage == "remainder-long":
+        remainder = remainder + b"\0"
+    elif damage == "unary-all-ones":
+        unary = b"\xff" * len(unary)
+    elif damage == "count-high":
+        count += 3
+    payload = b"".join(
+        [
+            rice._HEAD.pack(count, 2, k, 0),
+            len(unary).to_bytes(4, "little"),
+            unary,
+            len(remainder).to_bytes(4, "little"),
+            remainder,
+            (0).to_bytes(4, "little") * 2,
+        ]
+    )
+    for use_numpy in (False, True):
+        with pytest.raises(CorruptPatchError):
+            if use_numpy:
+                with pure_numpy():
+                    rice.decode_moves(payload, 2, 5000)
+            else:
+                rice.decode_moves(payload, 2, 5000)
+
+
+@needs_native
+@pytest.mark.parametrize("word", WORDS)
+def test_moves_unpack_and_scatter_agree(word: int):
+    rng = np.random.default_rng(word)
+    utype = UINT_OF_WORD[word]
+    old = rng.integers(0, 256, 4096 * word, dtype=np.uint8)
+    new = old.copy()
+    words = new.view(utype)
+    at = np.sort(rng.choice(4096, size=900, replace=False)).astype(np.int64)
+    # every size of move: +-1, small, the largest, and both signs' extremes
+    moves = rng.integers(0, 2 ** min(8 * word, 63), at.size, dtype=np.uint64).astype(utype)
+    moves[:4] = np.array([1, -1 & (2 ** (8 * word) - 1), 2 ** (8 * word - 1), 0x7F], dtype=utype)
+    words[at] += moves
+    planes = change_planes(old, new, at, word, 3)
+    table = b"".join(len(p).to_bytes(4, "little") for p in planes) + b"".join(planes)
+    fast, slow = both(lambda: unpack_moves(memoryview(table), 0, at.size, word))
+    assert fast.dtype == slow.dtype == utype
+    assert np.array_equal(fast, slow)
+    assert np.array_equal(fast, moves)
+    patched = both(lambda: _added(old, at, fast, word))
+    assert patched[0].tobytes() == patched[1].tobytes() == new.tobytes()
+
+
+def _added(old: np.ndarray, at: np.ndarray, moves: np.ndarray, word: int) -> np.ndarray:
+    out = old.copy()
+    add_moves(out, at, moves, word)
+    return out
+
+
+@needs_native
+def test_cli_writes_the_same_patch_without_the_extension(tmp_path: Path, chain: list[Path]):
+    """End to end through the CLI: PULSECTL_PURE_PYTHON=1 gives the same patch bytes."""
+    base, target = chain[0], chain[-1]
+    patches = []
+    for pure in ("0", "1"):
+        out = tmp_path / f"p{pure}.pulse"
+        env = {**os.environ, "PULSECTL_PURE_PYTHON": pure}
+        subprocess.run(
+            [sys.executable, "-m", "pulsectl", "diff", str(base), str(target), "-o", str(out)],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+        patches.append(out.read_bytes())
+        restored = tmp_path / f"r{pure}.safetensors"
+        subprocess.run(
+            [sys.executable, "-m", "pulsectl", "apply", str(base), str(out), "-o", str(restored)],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+        assert restored.read_bytes() == Path(target).read_bytes()
+    assert patches[0] == patches[1]
