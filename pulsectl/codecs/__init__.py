@@ -97,7 +97,7 @@ def encode_block(
 
 # Codec 3 is tried only when Rice coding spends this much more than the gaps' order-0 entropy.
 _RICE_SLACK = 1.1
-_ESTIMATE_SAMPLE = 1 << 16
+_ESTIMATE_SAMPLE = 1 << 13
 
 
 def _rice_fits(positions: np.ndarray, k: int) -> bool:
