@@ -49,53 +49,39 @@ static inline int span_differs(const uint8_t *x, const uint8_t *y) {
     return (lanes[0] | lanes[1]) != 0;
 }
 
-typedef struct {
-    int64_t *data;
-    size_t size, cap;
-} Positions;
-
-static int reserve(Positions *out, size_t more) {
-    if (out->size + more <= out->cap) return 0;
-    size_t cap = out->cap ? out->cap : 1024;
-    while (cap < out->size + more) cap *= 2;
-    int64_t *grown = realloc(out->data, cap * sizeof(int64_t));
-    if (!grown) return -1;
-    out->data = grown;
-    out->cap = cap;
-    return 0;
-}
-
-/* List the words that differ in one pass: equal 64-byte spans are skipped, and inside the
- * others every index is stored and the count moves on only where the words differ (no
- * branch to mispredict when a third of the words change). One function per word type. */
+/* List the words that differ in one pass into `out` (room for nwords + 1 indices; only the
+ * first count + 1 are touched): equal 64-byte spans are skipped, and inside the others every
+ * index is stored and the count moves on only where the words differ (no branch to mispredict
+ * when a third of the words change). One function per word type. */
 #define CHANGES_OF(NAME, T)                                                                   \
-    static int NAME##_list(const uint8_t *a, const uint8_t *b, size_t nwords, Positions *out) { \
+    static size_t NAME##_list(const uint8_t *a, const uint8_t *b, size_t nwords, int64_t *out) { \
         const T *x = (const T *)a, *y = (const T *)b;                                         \
         const size_t per_span = 64 / sizeof(T);                                               \
-        size_t i = 0;                                                                         \
+        size_t count = 0, i = 0;                                                              \
         for (; i + per_span <= nwords; i += per_span) {                                       \
             if (!span_differs(a + i * sizeof(T), b + i * sizeof(T))) continue;                \
-            if (reserve(out, per_span)) return -1;                                            \
-            int64_t *o = out->data;                                                           \
-            size_t count = out->size;                                                         \
             for (size_t j = i; j < i + per_span; j++) {                                       \
-                o[count] = (int64_t)j;                                                        \
+                out[count] = (int64_t)j;                                                      \
                 count += x[j] != y[j];                                                        \
             }                                                                                 \
-            out->size = count;                                                                \
         }                                                                                     \
-        if (reserve(out, nwords - i)) return -1;                                              \
         for (; i < nwords; i++) {                                                             \
-            out->data[out->size] = (int64_t)i;                                                \
-            out->size += x[i] != y[i];                                                        \
+            out[count] = (int64_t)i;                                                          \
+            count += x[i] != y[i];                                                            \
         }                                                                                     \
-        return 0;                                                                             \
+        return count;                                                                         \
     }
 
 CHANGES_OF(w1, uint8_t)
 CHANGES_OF(w2, u16a)
 CHANGES_OF(w4, u32a)
 CHANGES_OF(w8, u64a)
+
+/* Each thread lists into its own scratch buffer, kept between calls (room for every word of
+ * the largest block seen: only the pages a listing reaches are ever touched), and the result
+ * is a copy of the indices found. */
+static __thread int64_t *scratch = NULL;
+static __thread size_t scratch_cap = 0;
 
 /* changes(old, new, word) -> bytearray of the int64 indices of the words that differ. */
 static PyObject *changes(PyObject *self, PyObject *args) {
@@ -107,20 +93,22 @@ static PyObject *changes(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "changes: blocks of different sizes or a bad word");
         goto done;
     }
-    int (*list_of)(const uint8_t *, const uint8_t *, size_t, Positions *) =
+    size_t (*list_of)(const uint8_t *, const uint8_t *, size_t, int64_t *) =
         word == 1 ? w1_list : word == 2 ? w2_list : word == 4 ? w4_list : w8_list;
-    size_t nwords = (size_t)a.len / (size_t)word;
-    Positions out = {NULL, 0, 0};
-    int failed;
-    Py_BEGIN_ALLOW_THREADS
-    failed = list_of(a.buf, b.buf, nwords, &out);
-    Py_END_ALLOW_THREADS
-    if (failed) {
-        PyErr_NoMemory();
-    } else {
-        result = PyByteArray_FromStringAndSize((const char *)out.data, (Py_ssize_t)(out.size * 8));
+    size_t nwords = (size_t)a.len / (size_t)word, count;
+    if (scratch_cap < nwords + 1) {
+        free(scratch);
+        scratch_cap = 0;
+        if (!(scratch = malloc((nwords + 1) * sizeof(int64_t)))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        scratch_cap = nwords + 1;
     }
-    free(out.data);
+    Py_BEGIN_ALLOW_THREADS
+    count = list_of(a.buf, b.buf, nwords, scratch);
+    Py_END_ALLOW_THREADS
+    result = PyByteArray_FromStringAndSize((const char *)scratch, (Py_ssize_t)(count * 8));
 done:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
@@ -155,23 +143,23 @@ static PyObject *zigzag_planes(PyObject *self, PyObject *args) {
     }
     const int64_t *pos = p.buf;
     size_t nwords = (size_t)a.len / (size_t)word;
-    for (size_t i = 0; i < n; i++) {
-        if (pos[i] < 0 || (size_t)pos[i] >= nwords) {
-            PyErr_SetString(PyExc_IndexError, "zigzag_planes: position out of range");
-            goto done;
-        }
-    }
     result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (size_t)word));
     if (!result) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    switch (word) {
+    for (size_t i = 0; i < n; i++) bad |= pos[i] < 0 || (size_t)pos[i] >= nwords;
+    if (!bad) switch (word) {
     case 1: ZIGZAG(uint8_t, int8_t, a.buf, b.buf, pos, n, out); break;
     case 2: ZIGZAG(u16a, int16_t, a.buf, b.buf, pos, n, out); break;
     case 4: ZIGZAG(u32a, int32_t, a.buf, b.buf, pos, n, out); break;
     default: ZIGZAG(u64a, int64_t, a.buf, b.buf, pos, n, out);
     }
     Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "zigzag_planes: position out of range");
+        Py_CLEAR(result);
+    }
 done:
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);

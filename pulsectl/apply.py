@@ -325,9 +325,14 @@ def _apply_parts(
             closing.callback(os.close, fd)
             fds.append(fd)
 
+        # One writer per file at a time: concurrent pwrites to one file queue on its inode lock
+        # in the kernel, which spins while the holder runs and so burns the other core.
+        write_locks = [threading.Lock() for _ in fds]
+
         def write(file: int, data: np.ndarray | bytes, offset: int) -> None:
             try:
-                pwrite_all(fds[file], data, offset)
+                with write_locks[file]:
+                    pwrite_all(fds[file], data, offset)
             except OSError as exc:
                 raise os_error(exc, paths[file]) from exc
 

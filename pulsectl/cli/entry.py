@@ -3,6 +3,8 @@ that arrives later (one line, exit 130) instead of a traceback."""
 
 from __future__ import annotations
 
+import gc
+import os
 import signal
 import sys
 
@@ -34,12 +36,26 @@ def _keep_freed_memory() -> None:
     mallopt(m_top_pad, 64 * 1024 * 1024)
 
 
+def _quiet_blas() -> None:
+    """One OpenBLAS thread, unless the user chose otherwise.
+
+    pulsectl does no linear algebra, but numpy's OpenBLAS starts a thread per core when numpy
+    is imported, and those threads spin while they wait: measured with perf on a 2-core
+    machine, 6-8% of the CPU time of `diff` and `apply` of a 1 GB checkpoint.
+    """
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def run() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     _keep_freed_memory()
+    _quiet_blas()
     try:
         from pulsectl.cli.app import main
     except KeyboardInterrupt:
         sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
         sys.exit(130)
+    # The modules just loaded live as long as the process: keep the cyclic garbage collector
+    # from walking them again at each collection (perf: ~2% of a 1 GB diff).
+    gc.freeze()
     sys.exit(main())
