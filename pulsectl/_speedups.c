@@ -541,6 +541,155 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------- context codec (codec 4) */
+
+/* The context key of word i of a block: bits [shift, shift + bits) of the little-endian word. */
+static inline uint32_t key_at(const uint8_t *block, size_t i, int word, int shift, uint32_t mask) {
+    uint64_t x = 0;
+    switch (word) {
+    case 1:
+        x = block[i];
+        break;
+    case 2: {
+        uint16_t v;
+        memcpy(&v, block + 2 * i, 2);
+        x = v;
+        break;
+    }
+    case 4: {
+        uint32_t v;
+        memcpy(&v, block + 4 * i, 4);
+        x = v;
+        break;
+    }
+    default:
+        memcpy(&x, block + 8 * i, 8);
+    }
+#if !LITTLE_ENDIAN_HOST
+    if (word > 1) x = __builtin_bswap64(x) >> (64 - 8 * word);
+#endif
+    return (uint32_t)(x >> shift) & mask;
+}
+
+static int context_args(Py_buffer *old, int word, int shift, int bits) {
+    if (!(word == 1 || word == 2 || word == 4 || word == 8) || old->len % word || bits < 1 ||
+        bits > 16 || shift < 0 || shift + bits > 8 * word) {
+        PyErr_SetString(PyExc_ValueError, "context: bad word, shift or bits");
+        return -1;
+    }
+    return 0;
+}
+
+/* context_ranks(old, word, shift, bits, positions) -> (ranks, sizes): for each changed word
+ * (sorted positions), how many words before it in the block share its key; and how many words
+ * have each key (2**bits counts). Both int64 bytearrays. */
+static PyObject *context_ranks(PyObject *self, PyObject *args) {
+    Py_buffer old, p;
+    int word, shift, bits;
+    if (!PyArg_ParseTuple(args, "y*iiiy*", &old, &word, &shift, &bits, &p)) return NULL;
+    PyObject *ranks = NULL, *sizes = NULL, *result = NULL;
+    if (context_args(&old, word, shift, bits) < 0) goto done;
+    size_t nwords = (size_t)old.len / (size_t)word, n = (size_t)p.len / 8;
+    const int64_t *pos = p.buf;
+    ranks = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    sizes = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(((size_t)1 << bits) * 8));
+    if (!ranks || !sizes) goto done;
+    int64_t *rank = (int64_t *)PyByteArray_AS_STRING(ranks);
+    int64_t *seen = (int64_t *)PyByteArray_AS_STRING(sizes);
+    memset(seen, 0, ((size_t)1 << bits) * 8);
+    uint32_t mask = (uint32_t)((1u << bits) - 1);
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    size_t next = 0;
+    int64_t before = -1;
+    for (size_t j = 0; j < n; j++) {
+        bad |= pos[j] <= before || (size_t)pos[j] >= nwords;
+        before = pos[j];
+    }
+    for (size_t i = 0; i < nwords && !bad; i++) {
+        uint32_t e = key_at(old.buf, i, word, shift, mask);
+        if (next < n && (size_t)pos[next] == i) rank[next++] = seen[e];
+        seen[e]++;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "context_ranks: positions must increase within the block");
+        goto done;
+    }
+    result = PyTuple_Pack(2, ranks, sizes);
+done:
+    Py_XDECREF(ranks);
+    Py_XDECREF(sizes);
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&p);
+    return result;
+}
+
+/* context_positions(old, word, shift, bits, keys, ranks) -> positions: the inverse, for the
+ * changes grouped by key (keys ascending, each key's ranks increasing): the position of the
+ * ranks[j]-th word with key keys[j], in that same order. Ranks past the end of a key's words,
+ * or out of order, raise CorruptPatchError. */
+static PyObject *context_positions(PyObject *self, PyObject *args) {
+    Py_buffer old, k, r;
+    int word, shift, bits;
+    if (!PyArg_ParseTuple(args, "y*iiiy*y*", &old, &word, &shift, &bits, &k, &r)) return NULL;
+    PyObject *result = NULL;
+    int64_t *cursor = NULL, *stop = NULL, *seen = NULL;
+    if (context_args(&old, word, shift, bits) < 0) goto done;
+    size_t nwords = (size_t)old.len / (size_t)word, n = (size_t)r.len / 8, nkeys = (size_t)1 << bits;
+    if (k.len != r.len || r.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "context_positions: keys and ranks differ in length");
+        goto done;
+    }
+    const int64_t *key = k.buf, *rank = r.buf;
+    cursor = malloc(nkeys * 8);
+    stop = malloc(nkeys * 8);
+    seen = calloc(nkeys, 8);
+    result = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    if (!cursor || !stop || !seen || !result) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        Py_CLEAR(result);
+        goto done;
+    }
+    int64_t *out = (int64_t *)PyByteArray_AS_STRING(result);
+    uint32_t mask = (uint32_t)((1u << bits) - 1);
+    const char *error = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t e = 0; e < nkeys; e++) cursor[e] = stop[e] = 0;
+    /* Each key's changes are one run of the list: find the runs. */
+    for (size_t j = 0; j < n && !error; j++) {
+        if (key[j] < 0 || (size_t)key[j] >= nkeys || (j && key[j] < key[j - 1]) || rank[j] < 0 ||
+            (j && key[j] == key[j - 1] && rank[j] <= rank[j - 1])) {
+            error = "context block table is damaged";
+            break;
+        }
+        if (!j || key[j] != key[j - 1]) cursor[key[j]] = (int64_t)j;
+        stop[key[j]] = (int64_t)j + 1;
+    }
+    for (size_t i = 0; i < nwords && !error; i++) {
+        uint32_t e = key_at(old.buf, i, word, shift, mask);
+        int64_t c = cursor[e];
+        if (c < stop[e] && rank[c] == seen[e]) out[cursor[e]++] = (int64_t)i;
+        seen[e]++;
+    }
+    for (size_t e = 0; e < nkeys && !error; e++) {
+        if (cursor[e] < stop[e]) error = "context block points past the end of a context";
+    }
+    Py_END_ALLOW_THREADS
+    if (error) {
+        Py_CLEAR(result);
+        corrupt(error);
+    }
+done:
+    free(cursor);
+    free(stop);
+    free(seen);
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&r);
+    return result;
+}
+
 static PyObject *set_corrupt_error(PyObject *self, PyObject *cls) {
     Py_XINCREF(cls);
     Py_XSETREF(CorruptError, cls);
@@ -560,6 +709,10 @@ static PyMethodDef methods[] = {
      "scatter_add(words, positions, moves, word): words[p] += move in place (wrapping)."},
     {"unzigzag", unzigzag, METH_VARARGS,
      "unzigzag(planes, count, word) -> bytearray: moves from their zigzag planes (None = zero)."},
+    {"context_ranks", context_ranks, METH_VARARGS,
+     "context_ranks(old, word, shift, bits, positions) -> (ranks, sizes) for codec 4."},
+    {"context_positions", context_positions, METH_VARARGS,
+     "context_positions(old, word, shift, bits, keys, ranks) -> positions for codec 4."},
     {"set_corrupt_error", set_corrupt_error, METH_O,
      "set_corrupt_error(cls): the exception raised for damaged streams."},
     {NULL, NULL, 0, NULL},

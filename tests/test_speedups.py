@@ -227,3 +227,38 @@ def test_cli_writes_the_same_patch_without_the_extension(tmp_path: Path, chain: 
         )
         assert restored.read_bytes() == Path(target).read_bytes()
     assert patches[0] == patches[1]
+
+
+CONTEXT_KEYS = {1: (3, 4), 2: (7, 8), 4: (23, 8), 8: (52, 11)}
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(block_pairs(), st.booleans())
+def test_context_codec_agrees(pair: tuple[np.ndarray, np.ndarray, int], few_keys: bool):
+    """`--level max`'s codec: the same payload both ways, and both decode it to the target."""
+    old, new, word = pair
+    if few_keys:  # most words in a handful of contexts, as in real weights
+        top = np.asarray(0x7 << (8 * word - 4), dtype=np.uint64).astype(UINT_OF_WORD[word])
+        old = old.copy()
+        old.view(UINT_OF_WORD[word])[:] &= ~top
+    key = CONTEXT_KEYS[word]
+    fast, slow = both(lambda: encode_block(old, new, word, 9, key=key))
+    assert fast == slow
+    for result in both(lambda: decode_block(fast.codec, fast.payload, old, new.size, word)):
+        assert result.tobytes() == new.tobytes()
+
+
+@needs_native
+def test_context_positions_refuses_ranks_past_a_context():
+    old = np.zeros(64, dtype=np.uint8)  # every BF16 word has key 0: 32 words in one context
+    keys = np.zeros(2, dtype=np.int64)
+    ok = NATIVE.context_positions(old, 2, 7, 8, keys, np.array([3, 31], dtype=np.int64))
+    assert list(np.frombuffer(ok, np.int64)) == [3, 31]
+    for ranks in ([3, 32], [5, 5], [7, 2]):
+        with pytest.raises(CorruptPatchError):
+            NATIVE.context_positions(old, 2, 7, 8, keys, np.array(ranks, dtype=np.int64))
+    with pytest.raises(CorruptPatchError):  # keys out of order
+        NATIVE.context_positions(
+            old, 2, 7, 8, np.array([1, 0], dtype=np.int64), np.array([0, 0], dtype=np.int64)
+        )

@@ -23,6 +23,7 @@ import struct
 import numpy as np
 
 from pulsectl import _zstd
+from pulsectl.codecs import _fast
 from pulsectl.codecs._bits import (
     MAX_RICE_K,
     add_moves,
@@ -71,17 +72,28 @@ def encode(
     level: int,
 ) -> bytes:
     """Payload for the changed words at ``positions`` (sorted, non-empty)."""
-    keys = keys_of(old, word, key)
-    perm, starts, sizes = _group(keys, key[1])
-    change_keys = keys[positions]
-    order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
-    positions, change_keys = positions[order], change_keys[order]
-    present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
-    ranks = np.empty(positions.size, dtype=np.int64)
-    for e, lo, n in zip(present, first, counts, strict=True):
-        # A stable sort keeps each context's words in position order: ranks by bisection.
-        group = perm[starts[e] : starts[e] + sizes[e]]
-        ranks[lo : lo + n] = np.searchsorted(group, positions[lo : lo + n])
+    fast = _fast.native
+    if fast is not None and old.flags.c_contiguous:
+        # One pass over the block counts each key's words so far: a change's rank.
+        positions = positions.astype(np.int64, copy=False)
+        found, _ = fast.context_ranks(old, word, key[0], key[1], positions)
+        change_keys = keys_of(old.view(_UINT[word])[positions].view(np.uint8), word, key)
+        order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
+        positions, change_keys = positions[order], change_keys[order]
+        ranks = np.frombuffer(found, dtype=np.int64)[order]
+        present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
+    else:
+        keys = keys_of(old, word, key)
+        perm, starts, sizes = _group(keys, key[1])
+        change_keys = keys[positions]
+        order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
+        positions, change_keys = positions[order], change_keys[order]
+        present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
+        ranks = np.empty(positions.size, dtype=np.int64)
+        for e, lo, n in zip(present, first, counts, strict=True):
+            # A stable sort keeps each context's words in position order: ranks by bisection.
+            group = perm[starts[e] : starts[e] + sizes[e]]
+            ranks[lo : lo + n] = np.searchsorted(group, positions[lo : lo + n])
     # Gaps restart at each context: the first change of a context counts from rank -1.
     prev = np.concatenate(([-1], ranks[:-1]))
     prev[first] = -1
@@ -157,6 +169,11 @@ def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray
     total = np.cumsum(steps)
     base = np.repeat(total[first] - steps[first], counts)
     ranks = total - base - 1
+    fast = _fast.native
+    if fast is not None and old.flags.c_contiguous:
+        keyed = np.repeat(present, counts)
+        found = fast.context_positions(old, word, shift, bits, keyed, ranks)
+        return np.frombuffer(found, dtype=np.int64), unpack_moves(view, offset, count, word)
     keys = keys_of(old, word, (shift, bits))
     perm, starts, sizes = _group(keys, bits)
     last = first + counts - 1
