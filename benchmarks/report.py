@@ -142,7 +142,8 @@ def render(r: dict[str, Any]) -> str:
     w(
         f"- pulsectl {t['pulsectl']} (git {r.get('git')}); "
         f"zstd: {t.get('zstd') or 'not installed'}; xdelta3: {t.get('xdelta3') or 'not installed'}; "
-        f"python-zstandard {t['python-zstandard']}"
+        f"python-zstandard {t['python-zstandard']}; codec inner loops: "
+        f"{t.get('speedups', 'numpy (before the compiled speedups existed)')}"
     )
     has_max = r["level_max_available"]
     w(

@@ -94,10 +94,13 @@ def tool_versions() -> dict[str, str | None]:
     import zstandard
 
     from pulsectl import __version__
+    from pulsectl.codecs import _fast
 
     out: dict[str, str | None] = {
         "pulsectl": __version__,
         "python-zstandard": zstandard.__version__,
+        # the compiled inner loops (pulsectl/_speedups.c), or the numpy fallback
+        "speedups": "compiled" if _fast.native is not None else "numpy fallback",
     }
     for tool, flag in (("zstd", "--version"), ("xdelta3", "-V")):
         path = measure.which(tool)
