@@ -115,6 +115,92 @@ done:
     return result;
 }
 
+/* The same listing, also writing the zigzag move of each changed word into `word` planes
+ * (plane p at planes + p * stride): the value planes of codecs 3-5 come out of the same pass,
+ * while both words are in registers. */
+#define CHANGES_PLANES_OF(NAME, T)                                                            \
+    static size_t NAME##_list_planes(const uint8_t *a, const uint8_t *b, size_t nwords,       \
+                                     int64_t *out, uint8_t *planes, size_t stride) {          \
+        const T *x = (const T *)a, *y = (const T *)b;                                         \
+        const size_t per_span = 64 / sizeof(T);                                               \
+        const int top = 8 * (int)sizeof(T) - 1;                                               \
+        size_t count = 0, i = 0;                                                              \
+        for (; i < nwords; i += per_span) {                                                   \
+            size_t end = i + per_span <= nwords ? i + per_span : nwords;                      \
+            if (end - i == per_span && !span_differs(a + i * sizeof(T), b + i * sizeof(T)))   \
+                continue;                                                                     \
+            for (size_t j = i; j < end; j++) {                                                \
+                T d = (T)(y[j] - x[j]);                                                       \
+                T z = (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> top)));                           \
+                out[count] = (int64_t)j;                                                      \
+                for (size_t p = 0; p < sizeof(T); p++)                                        \
+                    planes[p * stride + count] = (uint8_t)((uint64_t)z >> (8 * p));           \
+                count += x[j] != y[j];                                                        \
+            }                                                                                 \
+        }                                                                                     \
+        return count;                                                                         \
+    }
+
+CHANGES_PLANES_OF(w1, uint8_t)
+CHANGES_PLANES_OF(w2, u16a)
+CHANGES_PLANES_OF(w4, u32a)
+CHANGES_PLANES_OF(w8, u64a)
+
+static __thread uint8_t *plane_scratch = NULL;
+static __thread size_t plane_scratch_cap = 0;
+
+/* changes_planes(old, new, word) -> (positions, planes): `changes` and `zigzag_planes` in one
+ * pass; planes is word * len(positions) bytes, plane 0 first. */
+static PyObject *changes_planes(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    int word;
+    if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
+    PyObject *positions = NULL, *planes = NULL, *result = NULL;
+    if (a.len != b.len || !(word == 1 || word == 2 || word == 4 || word == 8) || a.len % word) {
+        PyErr_SetString(PyExc_ValueError, "changes_planes: blocks of different sizes or a bad word");
+        goto done;
+    }
+    size_t nwords = (size_t)a.len / (size_t)word, stride = nwords + 1, count;
+    if (scratch_cap < nwords + 1) {
+        free(scratch);
+        scratch_cap = 0;
+        if (!(scratch = malloc((nwords + 1) * sizeof(int64_t)))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        scratch_cap = nwords + 1;
+    }
+    if (plane_scratch_cap < stride * (size_t)word) {
+        free(plane_scratch);
+        plane_scratch_cap = 0;
+        if (!(plane_scratch = malloc(stride * (size_t)word))) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        plane_scratch_cap = stride * (size_t)word;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    switch (word) {
+    case 1: count = w1_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride); break;
+    case 2: count = w2_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride); break;
+    case 4: count = w4_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride); break;
+    default: count = w8_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride);
+    }
+    Py_END_ALLOW_THREADS
+    positions = PyByteArray_FromStringAndSize((const char *)scratch, (Py_ssize_t)(count * 8));
+    planes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * (size_t)word));
+    if (!positions || !planes) goto done;
+    for (int p = 0; p < word; p++)
+        memcpy(PyBytes_AS_STRING(planes) + (size_t)p * count, plane_scratch + (size_t)p * stride, count);
+    result = PyTuple_Pack(2, positions, planes);
+done:
+    Py_XDECREF(positions);
+    Py_XDECREF(planes);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return result;
+}
+
 /* The zigzag moves of the words at pos, byte j of each into plane j (planes n bytes apart). */
 #define ZIGZAG(T, S, A, B, POS, N, OUT)                                                       \
     do {                                                                                      \
@@ -201,20 +287,33 @@ static inline void flush_bits(BitWriter *w) {
     w->bits = 0;
 }
 
-static inline void put_unary(BitWriter *w, uint64_t q) {
-    while (q >= 31) {
-        put_bits(w, 0x7FFFFFFFull, 31);
-        q -= 31;
+/* Clear the bits set in `zeros` (bit 63 first) in 64-bit word `index` of a stream of
+ * `size` bytes, most significant byte first. */
+static inline void store_zeros(uint8_t *buf, size_t size, uint64_t index, uint64_t zeros) {
+    size_t at = (size_t)index * 8;
+    if (at + 8 <= size) {
+        uint64_t v;
+        memcpy(&v, buf + at, 8);
+#if LITTLE_ENDIAN_HOST
+        v &= __builtin_bswap64(~zeros);
+#else
+        v &= ~zeros;
+#endif
+        memcpy(buf + at, &v, 8);
+        return;
     }
-    put_bits(w, ((1ull << q) - 1) << 1, (int)q + 1);
+    for (size_t j = 0; at + j < size; j++) buf[at + j] &= (uint8_t)~(zeros >> (56 - 8 * j));
 }
 
-/* out[j] = sum over the gaps g of g >> (from + j), for j < count <= 5. */
-static void quotient_sums(const int64_t *pos, size_t n, int from, int count, uint64_t *out) {
+/* out[j] = sum over the gaps g of g >> (from + j), for j < count <= 5; returns whether the
+ * positions increase (the sums are meaningless where they do not). */
+static int quotient_sums(const int64_t *pos, size_t n, int from, int count, uint64_t *out) {
     uint64_t g = (uint64_t)pos[0]; /* the first gap counts from -1 */
     uint64_t s0 = g >> from, s1 = g >> (from + 1), s2 = g >> (from + 2), s3 = g >> (from + 3),
              s4 = g >> (from + 4);
-    for (size_t i = 1; i < n; i++) {
+    uint64_t disorder = pos[0] < 0;
+    for (size_t i = 1; i < n; i++) disorder |= (uint64_t)(pos[i] <= pos[i - 1]);
+    for (size_t i = 1; i < n; i++) { /* apart from the check above, so that it vectorises */
         g = (uint64_t)(pos[i] - pos[i - 1] - 1);
         s0 += g >> from;
         s1 += g >> (from + 1);
@@ -224,6 +323,7 @@ static void quotient_sums(const int64_t *pos, size_t n, int from, int count, uin
     }
     uint64_t part[5] = {s0, s1, s2, s3, s4};
     for (int j = 0; j < count; j++) out[j] = part[j];
+    return !disorder;
 }
 
 static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
@@ -241,37 +341,21 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *pos = p.buf;
-    uint64_t seen = 0, sum = 0;
-    int ordered = 1;
-    Py_BEGIN_ALLOW_THREADS
-    ordered = pos[0] >= 0;
-    seen = sum = (uint64_t)pos[0];
-    for (size_t i = 1; i < n; i++) {
-        ordered &= pos[i] > pos[i - 1];
-        uint64_t g = (uint64_t)(pos[i] - pos[i - 1] - 1);
-        seen |= g;
-        sum += g;
-    }
-    Py_END_ALLOW_THREADS
-    if (!ordered) {
-        PyErr_SetString(PyExc_ValueError, "rice_encode: positions must increase");
-        goto done;
-    }
     /* The bits of Rice coding with parameter k, sum(g >> k) + n (k + 1), are convex in k:
      * their step from k to k + 1 is n - sum(ceil((g >> k) / 2)), which never decreases. So the
      * first minimum of a window is the first minimum overall unless it sits on an edge that
-     * can still move; the window starts around log2 of the mean gap. */
-    int top = bit_length(seen);
-    if (top < 1) top = 1;
-    int kmax = top < MAX_RICE_K ? top : MAX_RICE_K;
-    int guess = bit_length(sum / n);
-    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > kmax ? kmax : guess + 2;
+     * can still move. The window starts around log2 of the mean gap, known without a pass: the
+     * gaps add up to the last position + 1 - n. Above the bit length of the largest gap the
+     * cost only grows, so searching up to MAX_RICE_K finds what numpy's argmin over
+     * 0..min(bit length, MAX_RICE_K) finds. */
+    int guess = bit_length(((uint64_t)pos[n - 1] + 1 - n) / n);
+    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > MAX_RICE_K ? MAX_RICE_K : guess + 2;
     if (lo > hi) lo = hi;
     uint64_t quot[MAX_RICE_K + 1];
-    int have_lo = lo, have_hi = hi, k = lo;
+    int have_lo = lo, have_hi = hi, k = lo, ordered;
     Py_BEGIN_ALLOW_THREADS
-    quotient_sums(pos, n, lo, hi - lo + 1, quot + lo);
-    for (;;) {
+    ordered = quotient_sums(pos, n, lo, hi - lo + 1, quot + lo);
+    while (ordered) {
         if (lo < have_lo) quotient_sums(pos, n, lo, 1, quot + lo), have_lo = lo;
         if (hi > have_hi) quotient_sums(pos, n, hi, 1, quot + hi), have_hi = hi;
         k = lo;
@@ -279,27 +363,49 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
             if (quot[kk] + (uint64_t)n * (kk + 1) < quot[k] + (uint64_t)n * (k + 1)) k = kk;
         }
         if (k == lo && lo > 0) lo--; /* the first minimum may lie lower */
-        else if (k == hi && hi < kmax) hi++; /* or higher */
+        else if (k == hi && hi < MAX_RICE_K) hi++; /* or higher */
         else break;
     }
     Py_END_ALLOW_THREADS
+    if (!ordered) {
+        PyErr_SetString(PyExc_ValueError, "rice_encode: positions must increase");
+        goto done;
+    }
     uint64_t best_quot = quot[k];
     unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((best_quot + n + 7) / 8));
     remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)n * k + 7) / 8));
     if (!unary || !remainder) goto done;
-    BitWriter u = {(uint8_t *)PyBytes_AS_STRING(unary), 0, 0, 0};
+    uint8_t *ubuf = (uint8_t *)PyBytes_AS_STRING(unary);
+    size_t ubytes = (size_t)PyBytes_GET_SIZE(unary);
     BitWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
-    uint64_t low = (1ull << k) - 1;
-    int64_t prev = -1;
-    for (size_t i = 0; i < n; i++) {
-        uint64_t g = (uint64_t)(pos[i] - prev - 1);
-        prev = pos[i];
-        put_unary(&u, g >> k);
-        if (k) put_bits(&r, g & low, k);
+    /* The unary stream is all one-bits but for the zero that ends each code, at bit
+     * q[0] + ... + q[i] + i: start from ones and clear those bits, then the padding. */
+    memset(ubuf, 0xFF, ubytes);
+    /* Zeros are gathered 64 bits at a time (bit 63 - e % 64 of word e / 64) and each word
+     * that has any is stored once; words between them stay all ones. */
+    uint64_t end = (uint64_t)pos[0] >> k; /* the first code's zero: bit q[0] */
+    uint64_t word_at = end >> 6, zeros = 1ull << (63 - (end & 63));
+    for (size_t i = 1; i < n; i++) {
+        end += ((uint64_t)(pos[i] - pos[i - 1] - 1) >> k) + 1;
+        if ((end >> 6) != word_at) {
+            store_zeros(ubuf, ubytes, word_at, zeros);
+            word_at = end >> 6;
+            zeros = 0;
+        }
+        zeros |= 1ull << (63 - (end & 63));
     }
-    flush_bits(&u);
-    flush_bits(&r);
+    store_zeros(ubuf, ubytes, word_at, zeros);
+    if ((end + 1) & 7) ubuf[ubytes - 1] &= (uint8_t)(0xFF00u >> ((end + 1) & 7));
+    if (k) {
+        uint64_t low = (1ull << k) - 1;
+        int64_t prev = -1;
+        for (size_t i = 0; i < n; i++) {
+            put_bits(&r, (uint64_t)(pos[i] - prev - 1) & low, k);
+            prev = pos[i];
+        }
+        flush_bits(&r);
+    }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("iOO", k, unary, remainder);
 done:
@@ -699,6 +805,8 @@ static PyObject *set_corrupt_error(PyObject *self, PyObject *cls) {
 static PyMethodDef methods[] = {
     {"changes", changes, METH_VARARGS,
      "changes(old, new, word) -> bytearray of int64: the indices of the words that differ."},
+    {"changes_planes", changes_planes, METH_VARARGS,
+     "changes_planes(old, new, word) -> (positions, planes): changes and their zigzag planes."},
     {"zigzag_planes", zigzag_planes, METH_VARARGS,
      "zigzag_planes(old, new, positions, word) -> bytes: the raw value planes, plane 0 first."},
     {"rice_encode", rice_encode, METH_VARARGS,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pulsectl.codecs import context, delta, raw, rice
+from pulsectl.codecs import _fast, context, delta, raw, rice
 from pulsectl.codecs._bits import change_planes, order0_bits, rice_cost
 from pulsectl.errors import CorruptPatchError
 
@@ -61,15 +61,21 @@ def encode_block(
     nwords = new.size // word
     if old is None:
         return _smallest_raw(new, level, nwords)
+    raw_planes = None  # the value planes before compression, when found with the changes
     if positions is None:
-        positions = delta.find_changes(old, new, word)
+        fast = _fast.native
+        if fast is not None and old.flags.c_contiguous and new.flags.c_contiguous:
+            found, raw_planes = fast.changes_planes(old, new, word)
+            positions = np.frombuffer(found, dtype=np.int64)
+        else:
+            positions = delta.find_changes(old, new, word)
     if positions.size == 0:
         return EncodedBlock(CODEC_COPY, b"", 0)
     # With the context codec on (`--level max`) codecs 3 and 5 are only its fallback: probing
     # them at a fast zstd level saves half of the encoding time and rarely changes the choice.
     probe = min(level, _PROBE_LEVEL) if key is not None else level
     streams = rice.rice_streams(positions)
-    values = change_planes(old, new, positions, word, probe)  # the same in codecs 3 and 5
+    values = change_planes(old, new, positions, word, probe, raw_planes)  # codecs 3 and 5
     best = EncodedBlock(
         CODEC_RICE,
         rice.encode_moves(positions, None, word, probe, values=values, streams=streams),

@@ -159,15 +159,22 @@ def value_planes(moved: np.ndarray, word: int, level: int) -> list[bytes]:
 
 
 def change_planes(
-    old: np.ndarray, new: np.ndarray, positions: np.ndarray, word: int, level: int
+    old: np.ndarray,
+    new: np.ndarray,
+    positions: np.ndarray,
+    word: int,
+    level: int,
+    raw: bytes | None = None,
 ) -> list[bytes]:
-    """``value_planes`` of the moves of the words at ``positions`` from ``old`` to ``new``."""
+    """``value_planes`` of the moves of the words at ``positions`` from ``old`` to ``new``;
+    ``raw``, when given, holds those planes uncompressed (from ``_speedups.changes_planes``)."""
     fast = _fast.native
-    if fast is None or not (old.flags.c_contiguous and new.flags.c_contiguous):
-        utype = _UINT[word]
-        moved = new.view(utype)[positions] - old.view(utype)[positions]
-        return value_planes(moved, word, level)
-    raw = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
+    if raw is None:
+        if fast is None or not (old.flags.c_contiguous and new.flags.c_contiguous):
+            utype = _UINT[word]
+            moved = new.view(utype)[positions] - old.view(utype)[positions]
+            return value_planes(moved, word, level)
+        raw = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
     count = positions.size
     planes = [memoryview(raw)[p * count : (p + 1) * count] for p in range(word)]
     return [_compress_plane(plane, level) for plane in planes]
