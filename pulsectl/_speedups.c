@@ -677,6 +677,57 @@ static inline uint32_t key_at(const uint8_t *block, size_t i, int word, int shif
     return (uint32_t)(x >> shift) & mask;
 }
 
+/* The loops of the context codec, one per word type (little-endian hosts; key_at is the
+ * portable form). Counting keys is a chain of increments of one counter when neighbouring
+ * words share a key, as they mostly do in real weights: encoding counts into four tables
+ * (word i into table i % 4) and adds them where it needs a rank. */
+#define CONTEXT_KEY(w, i) ((uint32_t)((uint64_t)(w)[i] >> shift) & mask)
+#define CONTEXT_OF(NAME, T)                                                                   \
+    static void NAME##_ranks(const uint8_t *block, size_t nwords, int shift, uint32_t mask,   \
+                             const int64_t *pos, size_t n, int64_t *rank, int64_t *h,          \
+                             size_t nkeys) {                                                  \
+        const T *w = (const T *)block;                                                        \
+        int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
+        size_t i = 0, next = 0;                                                               \
+        for (;;) {                                                                            \
+            size_t stop = next < n ? (size_t)pos[next] : nwords;                              \
+            for (; i + 4 <= stop; i += 4) {                                                   \
+                h0[CONTEXT_KEY(w, i)]++;                                                      \
+                h1[CONTEXT_KEY(w, i + 1)]++;                                                  \
+                h2[CONTEXT_KEY(w, i + 2)]++;                                                  \
+                h3[CONTEXT_KEY(w, i + 3)]++;                                                  \
+            }                                                                                 \
+            for (; i < stop; i++) h0[CONTEXT_KEY(w, i)]++;                                    \
+            if (next == n) break;                                                             \
+            uint32_t e = CONTEXT_KEY(w, i);                                                   \
+            rank[next++] = h0[e] + h1[e] + h2[e] + h3[e];                                     \
+            h0[e]++;                                                                          \
+            i++;                                                                              \
+        }                                                                                     \
+        for (size_t e = 0; e < nkeys; e++) h0[e] += h1[e] + h2[e] + h3[e];                    \
+    }                                                                                         \
+    static void NAME##_positions(const uint8_t *block, size_t nwords, int shift,             \
+                                 uint32_t mask, const int64_t *rank, int64_t *cursor,         \
+                                 const int64_t *stop, int64_t *want, int64_t *seen,           \
+                                 int64_t *out) {                                              \
+        const T *w = (const T *)block;                                                        \
+        for (size_t i = 0; i < nwords; i++) {                                                 \
+            uint32_t e = CONTEXT_KEY(w, i);                                                   \
+            int64_t r = seen[e];                                                              \
+            seen[e] = r + 1;                                                                  \
+            if (r == want[e]) {                                                               \
+                int64_t c = cursor[e]++;                                                      \
+                out[c] = (int64_t)i;                                                          \
+                want[e] = c + 1 < stop[e] ? rank[c + 1] : -1;                                 \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+CONTEXT_OF(c1, uint8_t)
+CONTEXT_OF(c2, u16a)
+CONTEXT_OF(c4, u32a)
+CONTEXT_OF(c8, u64a)
+
 static int context_args(Py_buffer *old, int word, int shift, int bits) {
     if (!(word == 1 || word == 2 || word == 4 || word == 8) || old->len % word || bits < 1 ||
         bits > 16 || shift < 0 || shift + bits > 8 * word) {
@@ -705,6 +756,7 @@ static PyObject *context_ranks(PyObject *self, PyObject *args) {
     memset(seen, 0, ((size_t)1 << bits) * 8);
     uint32_t mask = (uint32_t)((1u << bits) - 1);
     int bad = 0;
+    int64_t *tables = calloc(4 * ((size_t)1 << bits), 8); /* NULL: the portable loop */
     Py_BEGIN_ALLOW_THREADS
     size_t next = 0;
     int64_t before = -1;
@@ -712,12 +764,24 @@ static PyObject *context_ranks(PyObject *self, PyObject *args) {
         bad |= pos[j] <= before || (size_t)pos[j] >= nwords;
         before = pos[j];
     }
-    for (size_t i = 0; i < nwords && !bad; i++) {
-        uint32_t e = key_at(old.buf, i, word, shift, mask);
-        if (next < n && (size_t)pos[next] == i) rank[next++] = seen[e];
-        seen[e]++;
+    if (!bad && LITTLE_ENDIAN_HOST && tables) {
+        size_t nkeys = (size_t)1 << bits;
+        switch (word) {
+        case 1: c1_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        case 2: c2_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        case 4: c4_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        default: c8_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
+        }
+        memcpy(seen, tables, nkeys * 8);
+    } else {
+        for (size_t i = 0; i < nwords && !bad; i++) {
+            uint32_t e = key_at(old.buf, i, word, shift, mask);
+            if (next < n && (size_t)pos[next] == i) rank[next++] = seen[e];
+            seen[e]++;
+        }
     }
     Py_END_ALLOW_THREADS
+    free(tables);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "context_ranks: positions must increase within the block");
         goto done;
@@ -740,7 +804,7 @@ static PyObject *context_positions(PyObject *self, PyObject *args) {
     int word, shift, bits;
     if (!PyArg_ParseTuple(args, "y*iiiy*y*", &old, &word, &shift, &bits, &k, &r)) return NULL;
     PyObject *result = NULL;
-    int64_t *cursor = NULL, *stop = NULL, *seen = NULL;
+    int64_t *cursor = NULL, *stop = NULL, *seen = NULL, *want = NULL;
     if (context_args(&old, word, shift, bits) < 0) goto done;
     size_t nwords = (size_t)old.len / (size_t)word, n = (size_t)r.len / 8, nkeys = (size_t)1 << bits;
     if (k.len != r.len || r.len % 8) {
@@ -751,6 +815,7 @@ static PyObject *context_positions(PyObject *self, PyObject *args) {
     cursor = malloc(nkeys * 8);
     stop = malloc(nkeys * 8);
     seen = calloc(nkeys, 8);
+    want = malloc(nkeys * 8); /* NULL: the portable loop */
     result = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
     if (!cursor || !stop || !seen || !result) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
@@ -772,11 +837,21 @@ static PyObject *context_positions(PyObject *self, PyObject *args) {
         if (!j || key[j] != key[j - 1]) cursor[key[j]] = (int64_t)j;
         stop[key[j]] = (int64_t)j + 1;
     }
-    for (size_t i = 0; i < nwords && !error; i++) {
-        uint32_t e = key_at(old.buf, i, word, shift, mask);
-        int64_t c = cursor[e];
-        if (c < stop[e] && rank[c] == seen[e]) out[cursor[e]++] = (int64_t)i;
-        seen[e]++;
+    if (!error && LITTLE_ENDIAN_HOST && want) {
+        for (size_t e = 0; e < nkeys; e++) want[e] = cursor[e] < stop[e] ? rank[cursor[e]] : -1;
+        switch (word) {
+        case 1: c1_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out); break;
+        case 2: c2_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out); break;
+        case 4: c4_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out); break;
+        default: c8_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out);
+        }
+    } else {
+        for (size_t i = 0; i < nwords && !error; i++) {
+            uint32_t e = key_at(old.buf, i, word, shift, mask);
+            int64_t c = cursor[e];
+            if (c < stop[e] && rank[c] == seen[e]) out[cursor[e]++] = (int64_t)i;
+            seen[e]++;
+        }
     }
     for (size_t e = 0; e < nkeys && !error; e++) {
         if (cursor[e] < stop[e]) error = "context block points past the end of a context";
@@ -790,6 +865,7 @@ done:
     free(cursor);
     free(stop);
     free(seen);
+    free(want);
     PyBuffer_Release(&old);
     PyBuffer_Release(&k);
     PyBuffer_Release(&r);
