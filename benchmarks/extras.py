@@ -30,8 +30,14 @@ def _overlap(r: dict[str, Any]) -> str:
         "The patch goes through a pipe paced at each rate; *sequential* receives it whole, then "
         "applies it; *overlapped* is `pulsectl apply BASE -` reading the pipe; *ideal* is "
         "max(transfer, compute), where compute is `apply` from a local file, measured beside "
-        "each rate. Each figure is the median of 3 runs, each started with no old output and "
-        "no dirty pages.",
+        f"each rate. Each figure is the median of {r.get('repeat', 3)} runs, each started with no "
+        "old output and no dirty pages; "
+        + (
+            "in each round the four runs of a rate (compute, transfer, sequential, overlapped) "
+            "take turns."
+            if r.get("in_turn")
+            else "the runs of each column were made one after another."
+        ),
         "",
         "| MB/s | transfer s | compute s | sequential s | overlapped s | ideal s "
         "| overlapped / ideal | saved vs sequential |",

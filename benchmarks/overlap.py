@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-bench" / "overlap"
     )
-    parser.add_argument("--repeat", type=int, default=3, help="runs per figure (median kept)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median kept)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pulsectl = shutil.which("pulsectl") or sys.exit("pulsectl is not on PATH (pip install -e .)")
@@ -116,13 +117,15 @@ def main() -> None:
     for f in (a, b, patch):
         f.read_bytes()  # page cache, as for every run below
 
-    def best(fn) -> float:
-        """The median of ``--repeat`` runs, each from a settled state."""
-        times = []
+    def in_turn(*fns: Callable[[], float]) -> list[float]:
+        """The median of ``--repeat`` runs of each, taken in turn in every round (so a machine
+        that drifts during the benchmark moves all four figures of a rate alike)."""
+        times: list[list[float]] = [[] for _ in fns]
         for _ in range(args.repeat):
-            settle(out, received)
-            times.append(fn())
-        return sorted(times)[len(times) // 2]
+            for fn, got in zip(fns, times, strict=True):
+                settle(out, received)
+                got.append(fn())
+        return [sorted(got)[len(got) // 2] for got in times]
 
     def apply_local() -> float:
         return run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"])
@@ -130,7 +133,6 @@ def main() -> None:
     apply_local()  # warm-up: the first apply after writing the inputs runs slower
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
-        compute = best(apply_local)  # measured beside each rate, under the same conditions
 
         def transfer(rate: float = rate) -> float:
             t0 = time.perf_counter()
@@ -155,7 +157,7 @@ def main() -> None:
                 )
             return time.perf_counter() - t0
 
-        t, s, o = best(transfer), best(sequential), best(overlapped)
+        compute, t, s, o = in_turn(apply_local, transfer, sequential, overlapped)
         assert out.read_bytes() == b.read_bytes()
         ideal = max(t, compute)
         rows.append(
@@ -174,15 +176,15 @@ def main() -> None:
     blocks_prefix = args.out / "blk.pulse"
     run([pulsectl, "-q", "diff", str(a), str(b), "--blocks", "4", "-o", str(blocks_prefix), "-f"])
     block_files = sorted(args.out.glob("blk.*.pulse"))
-    one = best(lambda: run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"]))
-    chain = best(
-        lambda: run([pulsectl, "-q", "apply", str(a), *map(str, block_files), "-o", str(out), "-f"])
-    )
+    chain_cmd = [pulsectl, "-q", "apply", str(a), *map(str, block_files), "-o", str(out), "-f"]
+    one, chain = in_turn(apply_local, lambda: run(chain_cmd))
     assert out.read_bytes() == b.read_bytes()
     result = {
         "size_bytes": a.stat().st_size,
         "patch_bytes": patch.stat().st_size,
         "cores": os.cpu_count(),
+        "repeat": args.repeat,
+        "in_turn": True,
         "rates": rows,
         "blocks": {
             "patches": len(block_files),
