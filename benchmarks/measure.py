@@ -103,6 +103,34 @@ def best_of(
     }
 
 
+def in_turn(
+    n: int,
+    commands: dict[str, tuple[list[str], Callable[[], None] | None]],
+    timeout: float | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every command once per round, in turn, for ``n`` rounds; for each, the summary
+    ``best_of`` gives. Commands whose ratio is reported (diff and the compare pass, apply and
+    cp) are timed in the same rounds, so a machine that drifts moves them alike. ``before``
+    (the second item) runs ahead of each run, untimed (warming inputs, removing outputs)."""
+    runs: dict[str, list[Any]] = {name: [] for name in commands}
+    for _ in range(n):
+        for name, (cmd, before) in commands.items():
+            if before is not None:
+                before()
+            runs[name].append(timed(cmd, None, timeout))
+    return {
+        name: {
+            "wall_s": min(r.wall_s for r in got),
+            "walls_s": [round(r.wall_s, 4) for r in got],
+            "cpu_s": min(r.cpu_s for r in got),
+            "max_rss_bytes": max(r.max_rss_bytes for r in got),
+            "returncode": max((r.returncode for r in got), key=abs),
+            "timed_out": any(r.returncode == -9 for r in got),
+        }
+        for name, got in runs.items()
+    }
+
+
 def warm(*paths: Path) -> None:
     """Read files once so every measured command finds them in the page cache."""
     buf = bytearray(_WARM_CHUNK)

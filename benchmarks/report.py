@@ -347,8 +347,17 @@ def render(r: dict[str, Any]) -> str:
     w("## Speed and memory")
     w("")
     w(
-        f"Wall time in seconds (best of up to {r['repeats']} runs; commands slower than a minute run "
-        "once), the child's CPU time (user + system) in brackets, and peak RSS (`ru_maxrss` of each fresh child via "
+        (
+            f"Wall time in seconds: the default level's `diff` and `apply`, the compare pass and "
+            f"`cp` are the best of {r['rounds']} rounds in which the four run in turn (diff, "
+            "compare, apply, cp), so that drift of the machine moves a ratio's two sides alike; "
+            f"`--level max` is the best of up to {r['repeats']} runs (commands slower than a "
+            "minute run once); "
+            if r.get("rounds")
+            else f"Wall time in seconds (best of up to {r['repeats']} runs; commands slower than "
+            "a minute run once), "
+        )
+        + "the child's CPU time (user + system) in brackets, and peak RSS (`ru_maxrss` of each fresh child via "
         "`wait4`). All inputs are read once beforehand so every command finds them in the page "
         "cache. Compare pass = a child Python that memory-maps both files and computes "
         "`(a != b).sum()` over the uint16 data region in 16 MiB chunks. RSS of the compare pass "

@@ -188,7 +188,9 @@ def bench_pair(
                 }
                 continue
         measure.warm(old, new)
-        d = measure.best_of(args.repeats, cmd, timeout=args.pulsectl_timeout)
+        # The default level is timed again below, in turns with its references.
+        runs = 1 if level == "default" else args.repeats
+        d = measure.best_of(runs, cmd, timeout=args.pulsectl_timeout)
         entry: dict[str, Any] = {"diff": d, "cmd": shlex.join(cmd)}
         if d["timed_out"]:
             entry["timeout_s"] = args.pulsectl_timeout
@@ -202,12 +204,13 @@ def bench_pair(
             measure.warm(old, patch)
             # Each run writes a fresh file, as cp does below (no old output to replace).
             a = measure.best_of(
-                args.repeats,
+                1 if level == "default" else args.repeats,
                 acmd,
                 timeout=args.pulsectl_timeout,
                 before=functools.partial(out.unlink, missing_ok=True),
             )
             entry["apply"] = a
+            entry["apply_cmd"] = shlex.join(acmd)
             entry["apply_exact"] = a["returncode"] == 0 and same_bytes(out, new)
             out.unlink(missing_ok=True)
             insp = subprocess.run(
@@ -237,23 +240,38 @@ def bench_pair(
             f"(cpu {d['cpu_s']:.2f}s){' TIMEOUT' if d['timed_out'] else ''}"
         )
 
-    # References for speed: a bare compare pass and cp of the target, warmed the same way.
+    # The default level's diff and apply against their references (a bare compare pass, cp
+    # of the target), in turns: diff, compare, apply, cp in every round.
     start, end = data_region(new)
-    measure.warm(old, new)
-    rec["compare"] = measure.best_of(args.repeats, measure.compare_cmd(old, new, start, end))
     dest = work / "cp.safetensors"
-    runs = []
-    for _ in range(max(1, args.repeats)):
-        dest.unlink(missing_ok=True)
-        measure.warm(new)
-        runs.append(measure.best_of(1, ["cp", str(new), str(dest)]))
+    out = work / "applied.safetensors"
+    default = rec["pulsectl"].get("default", {})
+    commands: dict[str, tuple[list[str], Any]] = {}
+    if default.get("diff", {}).get("returncode") == 0:
+        commands["diff"] = (shlex.split(default["cmd"]), lambda: measure.warm(old, new))
+    commands["compare"] = (
+        measure.compare_cmd(old, new, start, end),
+        lambda: measure.warm(old, new),
+    )
+    if "apply" in default:
+        commands["apply"] = (
+            shlex.split(default["apply_cmd"]),
+            lambda: (out.unlink(missing_ok=True), measure.warm(old, work / "default.pulse")),
+        )
+    commands["cp"] = (
+        ["cp", str(new), str(dest)],
+        lambda: (dest.unlink(missing_ok=True), measure.warm(new)),
+    )
+    timed = measure.in_turn(args.rounds, commands, timeout=args.pulsectl_timeout)
     dest.unlink(missing_ok=True)
-    rec["cp"] = {
-        "wall_s": min(r["wall_s"] for r in runs),
-        "walls_s": [r["wall_s"] for r in runs],
-        "cpu_s": min(r["cpu_s"] for r in runs),
-        "max_rss_bytes": max(r["max_rss_bytes"] for r in runs),
-    }
+    if "apply" in timed:
+        default["apply_exact"] = default["apply_exact"] and same_bytes(out, new)
+    out.unlink(missing_ok=True)
+    for name in ("diff", "apply"):
+        if name in timed:
+            default[name] = timed[name]
+    rec["compare"], rec["cp"] = timed["compare"], timed["cp"]
+    rec["timing"] = "in turn: diff, compare, apply, cp in each round"
 
     rec["loadavg_timed"] = os.getloadavg()  # right after the timed commands
 
@@ -368,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     ap.add_argument("--ks", type=int, nargs="+", default=list(KS))
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per command (best kept)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of default diff, compare, apply and cp in turn (best kept; default 3)",
+    )
     ap.add_argument("--patch-from-level", type=int, default=19)
     ap.add_argument("--no-patch-from", action="store_true", help="skip zstd --patch-from (slow)")
     ap.add_argument(
@@ -406,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
     args.repeats = args.repeats or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     args.json = args.json or args.out / "benchmarks.json"
 
     cli = pulsectl_cmd()
@@ -421,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "tools": tool_versions(),
         "level_max_available": level_max,
         "repeats": args.repeats,
+        "rounds": args.rounds,
         "json": str(args.json),
         "pairs": [],
     }
