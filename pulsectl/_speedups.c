@@ -3,7 +3,8 @@
  * Optional: pulsectl/codecs/_fast.py falls back to numpy when this module is not built, and
  * every function here gives exactly the bytes (or values) of its numpy counterpart; the tests
  * cross-check the two. The loops run without the GIL, so the worker threads run them in
- * parallel.
+ * parallel. They read the little-endian words of safetensors as native integers, so _fast.py
+ * loads this module on little-endian machines only (x86-64 and arm64 are).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

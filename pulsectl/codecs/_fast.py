@@ -8,6 +8,7 @@ turns it off, e.g. to rule it out when chasing a bug.
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 from pulsectl.errors import CorruptPatchError
@@ -15,6 +16,8 @@ from pulsectl.errors import CorruptPatchError
 
 def _load() -> ModuleType | None:
     if os.environ.get("PULSECTL_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    if sys.byteorder != "little":  # the C loops read little-endian words as native integers
         return None
     try:
         import pulsectl._speedups as _speedups
