@@ -54,7 +54,10 @@ def test_speedups_are_built_where_a_compiler_is():
         pytest.skip("PULSECTL_PURE_PYTHON is set")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here")
-    assert NATIVE is not None
+    assert NATIVE is not None, (
+        "pulsectl._speedups did not build although a C compiler is on PATH: reinstall with "
+        "`pip install -e . -v` and read the build log (or set PULSECTL_PURE_PYTHON=1)"
+    )
 
 
 @st.composite
