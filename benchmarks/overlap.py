@@ -19,6 +19,7 @@ to stdout as a table and to OUT/overlap.json; docs/BENCHMARKS.md quotes them.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+import pulsectl as pulsectl_package
 from pulsectl.checkpoint import save_safetensors
 
 PACER = r"""
@@ -109,6 +111,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pulsectl = shutil.which("pulsectl") or sys.exit("pulsectl is not on PATH (pip install -e .)")
 
+    # pulsectl's .pyc files, as an installed tool has them (see measure.byte_compile_pulsectl)
+    compileall.compile_dir(str(Path(pulsectl_package.__file__).parent), quiet=1)
     a, b = make_pair(args.out, args.size_mb)
     patch = args.out / "p.pulse"
     run([pulsectl, "-q", "diff", str(a), str(b), "-o", str(patch), "-f"])

@@ -145,6 +145,17 @@ def render(r: dict[str, Any]) -> str:
         f"python-zstandard {t['python-zstandard']}; codec inner loops: "
         f"{t.get('speedups', 'numpy (before the compiled speedups existed)')}"
     )
+    if r.get("byte_compiled"):
+        w(
+            "- pulsectl's modules were byte-compiled before timing (`compileall`), as `pip "
+            "install` does"
+            + (
+                "; this machine sets PYTHONDONTWRITEBYTECODE, under which an editable checkout "
+                "would otherwise compile them again in every command"
+                if r["byte_compiled"].get("pythondontwritebytecode")
+                else ""
+            )
+        )
     has_max = r["level_max_available"]
     w(
         "- `pulsectl diff --level max`: "

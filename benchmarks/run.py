@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json = args.json or args.out / "benchmarks.json"
 
     cli = pulsectl_cmd()
+    no_write_bytecode = measure.byte_compile_pulsectl()
     level_max = has_level_max(cli, args.out)
     steps = max(args.ks)
     results: dict[str, Any] = {
@@ -445,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "tools": tool_versions(),
         "level_max_available": level_max,
+        "byte_compiled": {"pulsectl": True, "pythondontwritebytecode": no_write_bytecode},
         "repeats": args.repeats,
         "rounds": args.rounds,
         "json": str(args.json),
