@@ -53,75 +53,13 @@ static inline int span_differs(const uint8_t *x, const uint8_t *y) {
 /* List the words that differ in one pass into `out` (room for nwords + 1 indices; only the
  * first count + 1 are touched): equal 64-byte spans are skipped, and inside the others every
  * index is stored and the count moves on only where the words differ (no branch to mispredict
- * when a third of the words change). One function per word type. */
+ * when a third of the words change). With `planes`, the zigzag move of each word also goes
+ * into `word` planes (plane p at planes + p * stride), the value planes of codecs 3-5, while
+ * both words are in registers. One function per word type. */
 #define CHANGES_OF(NAME, T)                                                                   \
-    static size_t NAME##_list(const uint8_t *a, const uint8_t *b, size_t nwords, int64_t *out) { \
-        const T *x = (const T *)a, *y = (const T *)b;                                         \
-        const size_t per_span = 64 / sizeof(T);                                               \
-        size_t count = 0, i = 0;                                                              \
-        for (; i + per_span <= nwords; i += per_span) {                                       \
-            if (!span_differs(a + i * sizeof(T), b + i * sizeof(T))) continue;                \
-            for (size_t j = i; j < i + per_span; j++) {                                       \
-                out[count] = (int64_t)j;                                                      \
-                count += x[j] != y[j];                                                        \
-            }                                                                                 \
-        }                                                                                     \
-        for (; i < nwords; i++) {                                                             \
-            out[count] = (int64_t)i;                                                          \
-            count += x[i] != y[i];                                                            \
-        }                                                                                     \
-        return count;                                                                         \
-    }
-
-CHANGES_OF(w1, uint8_t)
-CHANGES_OF(w2, u16a)
-CHANGES_OF(w4, u32a)
-CHANGES_OF(w8, u64a)
-
-/* Each thread lists into its own scratch buffer, kept between calls (room for every word of
- * the largest block seen: only the pages a listing reaches are ever touched), and the result
- * is a copy of the indices found. */
-static __thread int64_t *scratch = NULL;
-static __thread size_t scratch_cap = 0;
-
-/* changes(old, new, word) -> bytearray of the int64 indices of the words that differ. */
-static PyObject *changes(PyObject *self, PyObject *args) {
-    Py_buffer a, b;
-    int word;
-    if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
-    PyObject *result = NULL;
-    if (a.len != b.len || !(word == 1 || word == 2 || word == 4 || word == 8) || a.len % word) {
-        PyErr_SetString(PyExc_ValueError, "changes: blocks of different sizes or a bad word");
-        goto done;
-    }
-    size_t (*list_of)(const uint8_t *, const uint8_t *, size_t, int64_t *) =
-        word == 1 ? w1_list : word == 2 ? w2_list : word == 4 ? w4_list : w8_list;
-    size_t nwords = (size_t)a.len / (size_t)word, count;
-    if (scratch_cap < nwords + 1) {
-        free(scratch);
-        scratch_cap = 0;
-        if (!(scratch = malloc((nwords + 1) * sizeof(int64_t)))) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        scratch_cap = nwords + 1;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    count = list_of(a.buf, b.buf, nwords, scratch);
-    Py_END_ALLOW_THREADS
-    result = PyByteArray_FromStringAndSize((const char *)scratch, (Py_ssize_t)(count * 8));
-done:
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    return result;
-}
-
-/* The same listing, also writing the zigzag move of each changed word into `word` planes
- * (plane p at planes + p * stride): the value planes of codecs 3-5 come out of the same pass,
- * while both words are in registers. */
-#define CHANGES_PLANES_OF(NAME, T)                                                            \
-    static size_t NAME##_list_planes(const uint8_t *a, const uint8_t *b, size_t nwords,       \
-                                     int64_t *out, uint8_t *planes, size_t stride) {          \
+    static inline __attribute__((always_inline)) size_t NAME##_body(                          \
+        const uint8_t *a, const uint8_t *b, size_t nwords, int64_t *out, uint8_t *planes,     \
+        size_t stride, const int with_planes) {                                               \
         const T *x = (const T *)a, *y = (const T *)b;                                         \
         const size_t per_span = 64 / sizeof(T);                                               \
         const int top = 8 * (int)sizeof(T) - 1;                                               \
@@ -131,24 +69,87 @@ done:
             if (end - i == per_span && !span_differs(a + i * sizeof(T), b + i * sizeof(T)))   \
                 continue;                                                                     \
             for (size_t j = i; j < end; j++) {                                                \
-                T d = (T)(y[j] - x[j]);                                                       \
-                T z = (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> top)));                           \
                 out[count] = (int64_t)j;                                                      \
-                for (size_t p = 0; p < sizeof(T); p++)                                        \
-                    planes[p * stride + count] = (uint8_t)((uint64_t)z >> (8 * p));           \
+                if (with_planes) { /* a constant in each of the two functions below */         \
+                    T d = (T)(y[j] - x[j]);                                                   \
+                    T z = (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> top)));                       \
+                    for (size_t p = 0; p < sizeof(T); p++)                                    \
+                        planes[p * stride + count] = (uint8_t)((uint64_t)z >> (8 * p));       \
+                }                                                                             \
                 count += x[j] != y[j];                                                        \
             }                                                                                 \
         }                                                                                     \
         return count;                                                                         \
+    }                                                                                         \
+    static size_t NAME##_list(const uint8_t *a, const uint8_t *b, size_t nwords, int64_t *out, \
+                              uint8_t *planes, size_t stride) {                               \
+        return planes ? NAME##_body(a, b, nwords, out, planes, stride, 1)                     \
+                      : NAME##_body(a, b, nwords, out, NULL, stride, 0);                      \
     }
 
-CHANGES_PLANES_OF(w1, uint8_t)
-CHANGES_PLANES_OF(w2, u16a)
-CHANGES_PLANES_OF(w4, u32a)
-CHANGES_PLANES_OF(w8, u64a)
+CHANGES_OF(w1, uint8_t)
+CHANGES_OF(w2, u16a)
+CHANGES_OF(w4, u32a)
+CHANGES_OF(w8, u64a)
 
+/* Each thread lists into its own scratch buffers, kept between calls (room for every word of
+ * the largest block seen: only the pages a listing reaches are ever touched), and the results
+ * are copies of what was found. */
+static __thread int64_t *scratch = NULL;
+static __thread size_t scratch_cap = 0;
 static __thread uint8_t *plane_scratch = NULL;
 static __thread size_t plane_scratch_cap = 0;
+
+/* At least `size` bytes in *buf (its capacity in *cap); -1 with MemoryError set if not. */
+static int reserve(void **buf, size_t *cap, size_t size) {
+    if (*cap >= size) return 0;
+    free(*buf);
+    *cap = 0;
+    if (!(*buf = malloc(size))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *cap = size;
+    return 0;
+}
+
+/* The listing of changes() and changes_planes(): the number of changed words, or -1 with an
+ * exception set. */
+static Py_ssize_t list_changes(Py_buffer *a, Py_buffer *b, int word, int with_planes) {
+    if (a->len != b->len || !(word == 1 || word == 2 || word == 4 || word == 8) ||
+        a->len % word) {
+        PyErr_SetString(PyExc_ValueError, "changes: blocks of different sizes or a bad word");
+        return -1;
+    }
+    size_t nwords = (size_t)a->len / (size_t)word, stride = nwords + 1, count;
+    if (reserve((void **)&scratch, &scratch_cap, stride * sizeof(int64_t)) < 0) return -1;
+    if (with_planes &&
+        reserve((void **)&plane_scratch, &plane_scratch_cap, stride * (size_t)word) < 0)
+        return -1;
+    uint8_t *planes = with_planes ? plane_scratch : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    switch (word) {
+    case 1: count = w1_list(a->buf, b->buf, nwords, scratch, planes, stride); break;
+    case 2: count = w2_list(a->buf, b->buf, nwords, scratch, planes, stride); break;
+    case 4: count = w4_list(a->buf, b->buf, nwords, scratch, planes, stride); break;
+    default: count = w8_list(a->buf, b->buf, nwords, scratch, planes, stride);
+    }
+    Py_END_ALLOW_THREADS
+    return (Py_ssize_t)count;
+}
+
+/* changes(old, new, word) -> bytearray of the int64 indices of the words that differ. */
+static PyObject *changes(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    int word;
+    if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
+    Py_ssize_t count = list_changes(&a, &b, word, 0);
+    PyObject *result =
+        count < 0 ? NULL : PyByteArray_FromStringAndSize((const char *)scratch, count * 8);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return result;
+}
 
 /* changes_planes(old, new, word) -> (positions, planes): `changes` and `zigzag_planes` in one
  * pass; planes is word * len(positions) bytes, plane 0 first. */
@@ -157,42 +158,15 @@ static PyObject *changes_planes(PyObject *self, PyObject *args) {
     int word;
     if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
     PyObject *positions = NULL, *planes = NULL, *result = NULL;
-    if (a.len != b.len || !(word == 1 || word == 2 || word == 4 || word == 8) || a.len % word) {
-        PyErr_SetString(PyExc_ValueError, "changes_planes: blocks of different sizes or a bad word");
-        goto done;
-    }
-    size_t nwords = (size_t)a.len / (size_t)word, stride = nwords + 1, count;
-    if (scratch_cap < nwords + 1) {
-        free(scratch);
-        scratch_cap = 0;
-        if (!(scratch = malloc((nwords + 1) * sizeof(int64_t)))) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        scratch_cap = nwords + 1;
-    }
-    if (plane_scratch_cap < stride * (size_t)word) {
-        free(plane_scratch);
-        plane_scratch_cap = 0;
-        if (!(plane_scratch = malloc(stride * (size_t)word))) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        plane_scratch_cap = stride * (size_t)word;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    switch (word) {
-    case 1: count = w1_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride); break;
-    case 2: count = w2_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride); break;
-    case 4: count = w4_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride); break;
-    default: count = w8_list_planes(a.buf, b.buf, nwords, scratch, plane_scratch, stride);
-    }
-    Py_END_ALLOW_THREADS
-    positions = PyByteArray_FromStringAndSize((const char *)scratch, (Py_ssize_t)(count * 8));
-    planes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * (size_t)word));
+    Py_ssize_t count = list_changes(&a, &b, word, 1);
+    if (count < 0) goto done;
+    size_t stride = (size_t)a.len / (size_t)word + 1;
+    positions = PyByteArray_FromStringAndSize((const char *)scratch, count * 8);
+    planes = PyBytes_FromStringAndSize(NULL, count * word);
     if (!positions || !planes) goto done;
     for (int p = 0; p < word; p++)
-        memcpy(PyBytes_AS_STRING(planes) + (size_t)p * count, plane_scratch + (size_t)p * stride, count);
+        memcpy(PyBytes_AS_STRING(planes) + (size_t)p * (size_t)count,
+               plane_scratch + (size_t)p * stride, (size_t)count);
     result = PyTuple_Pack(2, positions, planes);
 done:
     Py_XDECREF(positions);
@@ -650,36 +624,8 @@ done:
 
 /* ---------------------------------------------------------------- context codec (codec 4) */
 
-/* The context key of word i of a block: bits [shift, shift + bits) of the little-endian word. */
-static inline uint32_t key_at(const uint8_t *block, size_t i, int word, int shift, uint32_t mask) {
-    uint64_t x = 0;
-    switch (word) {
-    case 1:
-        x = block[i];
-        break;
-    case 2: {
-        uint16_t v;
-        memcpy(&v, block + 2 * i, 2);
-        x = v;
-        break;
-    }
-    case 4: {
-        uint32_t v;
-        memcpy(&v, block + 4 * i, 4);
-        x = v;
-        break;
-    }
-    default:
-        memcpy(&x, block + 8 * i, 8);
-    }
-#if !LITTLE_ENDIAN_HOST
-    if (word > 1) x = __builtin_bswap64(x) >> (64 - 8 * word);
-#endif
-    return (uint32_t)(x >> shift) & mask;
-}
-
-/* The loops of the context codec, one per word type (little-endian hosts; key_at is the
- * portable form). Counting keys is a chain of increments of one counter when neighbouring
+/* The loops of the context codec, one per word type. A word's key is bits [shift, shift +
+ * bits) of the word read as a native (little-endian) integer. Counting keys is a chain of increments of one counter when neighbouring
  * words share a key, as they mostly do in real weights: encoding counts into four tables
  * (word i into table i % 4) and adds them where it needs a rank. */
 #define CONTEXT_KEY(w, i) ((uint32_t)((uint64_t)(w)[i] >> shift) & mask)
@@ -757,15 +703,18 @@ static PyObject *context_ranks(PyObject *self, PyObject *args) {
     memset(seen, 0, ((size_t)1 << bits) * 8);
     uint32_t mask = (uint32_t)((1u << bits) - 1);
     int bad = 0;
-    int64_t *tables = calloc(4 * ((size_t)1 << bits), 8); /* NULL: the portable loop */
+    int64_t *tables = calloc(4 * ((size_t)1 << bits), 8);
+    if (!tables) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
-    size_t next = 0;
     int64_t before = -1;
     for (size_t j = 0; j < n; j++) {
         bad |= pos[j] <= before || (size_t)pos[j] >= nwords;
         before = pos[j];
     }
-    if (!bad && LITTLE_ENDIAN_HOST && tables) {
+    if (!bad) {
         size_t nkeys = (size_t)1 << bits;
         switch (word) {
         case 1: c1_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
@@ -774,12 +723,6 @@ static PyObject *context_ranks(PyObject *self, PyObject *args) {
         default: c8_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
         }
         memcpy(seen, tables, nkeys * 8);
-    } else {
-        for (size_t i = 0; i < nwords && !bad; i++) {
-            uint32_t e = key_at(old.buf, i, word, shift, mask);
-            if (next < n && (size_t)pos[next] == i) rank[next++] = seen[e];
-            seen[e]++;
-        }
     }
     Py_END_ALLOW_THREADS
     free(tables);
@@ -816,9 +759,9 @@ static PyObject *context_positions(PyObject *self, PyObject *args) {
     cursor = malloc(nkeys * 8);
     stop = malloc(nkeys * 8);
     seen = calloc(nkeys, 8);
-    want = malloc(nkeys * 8); /* NULL: the portable loop */
+    want = malloc(nkeys * 8);
     result = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
-    if (!cursor || !stop || !seen || !result) {
+    if (!cursor || !stop || !seen || !want || !result) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         Py_CLEAR(result);
         goto done;
@@ -838,20 +781,13 @@ static PyObject *context_positions(PyObject *self, PyObject *args) {
         if (!j || key[j] != key[j - 1]) cursor[key[j]] = (int64_t)j;
         stop[key[j]] = (int64_t)j + 1;
     }
-    if (!error && LITTLE_ENDIAN_HOST && want) {
+    if (!error) {
         for (size_t e = 0; e < nkeys; e++) want[e] = cursor[e] < stop[e] ? rank[cursor[e]] : -1;
         switch (word) {
         case 1: c1_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out); break;
         case 2: c2_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out); break;
         case 4: c4_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out); break;
         default: c8_positions(old.buf, nwords, shift, mask, rank, cursor, stop, want, seen, out);
-        }
-    } else {
-        for (size_t i = 0; i < nwords && !error; i++) {
-            uint32_t e = key_at(old.buf, i, word, shift, mask);
-            int64_t c = cursor[e];
-            if (c < stop[e] && rank[c] == seen[e]) out[cursor[e]++] = (int64_t)i;
-            seen[e]++;
         }
     }
     for (size_t e = 0; e < nkeys && !error; e++) {
