@@ -93,6 +93,11 @@ def best_of(
     runs = [run()]
     while len(runs) < n and runs[-1].returncode == 0 and runs[-1].wall_s < repeat_below_s:
         runs.append(run())
+    return _summary(runs)
+
+
+def _summary(runs: list[Run]) -> dict[str, Any]:
+    """The fastest wall time, the least CPU time, the largest RSS and every wall time."""
     return {
         "wall_s": min(r.wall_s for r in runs),
         "walls_s": [round(r.wall_s, 4) for r in runs],
@@ -118,17 +123,7 @@ def in_turn(
             if before is not None:
                 before()
             runs[name].append(timed(cmd, None, timeout))
-    return {
-        name: {
-            "wall_s": min(r.wall_s for r in got),
-            "walls_s": [round(r.wall_s, 4) for r in got],
-            "cpu_s": min(r.cpu_s for r in got),
-            "max_rss_bytes": max(r.max_rss_bytes for r in got),
-            "returncode": max((r.returncode for r in got), key=abs),
-            "timed_out": any(r.returncode == -9 for r in got),
-        }
-        for name, got in runs.items()
-    }
+    return {name: _summary(got) for name, got in runs.items()}
 
 
 def byte_compile_pulsectl() -> bool:

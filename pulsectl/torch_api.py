@@ -33,7 +33,7 @@ import torch
 from pulsectl._io import default_workers, ordered_map, window_for
 from pulsectl.checkpoint import FileEntry, SafetensorsHeader, TensorInfo, build_header, parse_header
 from pulsectl.codecs import decode_block, decode_moves
-from pulsectl.codecs._bits import UINT_OF_WORD
+from pulsectl.codecs._bits import add_moves
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, DiffSummary, diff_checkpoints
 from pulsectl.errors import IntegrityError, UsageError
@@ -467,7 +467,7 @@ def _decode(
             return old, decode_block(codec, payload, old, size, word), None
         assert old is not None
         new = old.copy()
-        new.view(UINT_OF_WORD[word])[moves[0]] += moves[1]  # wraps, as the codec's moves do
+        add_moves(new, moves[0], moves[1], word)
         return old, new, moves[0]  # the changed words, known without comparing again
 
     return run

@@ -185,6 +185,13 @@ def _compress_plane(plane: memoryview, level: int) -> bytes:
     return _zstd.compress_plane(plane, level) if np.frombuffer(plane, np.uint8).any() else b""
 
 
+def given_moves(moved: np.ndarray | None) -> np.ndarray:
+    """``moved`` for an encoder that was given no value planes (it must then have the moves)."""
+    if moved is None:
+        raise ValueError("moved is needed when values are not given")
+    return moved
+
+
 def join_planes(packed: list[bytes]) -> bytes:
     return struct.pack(f"<{len(packed)}I", *(len(p) for p in packed)) + b"".join(packed)
 

@@ -72,23 +72,23 @@ def encode(
     level: int,
 ) -> bytes:
     """Payload for the changed words at ``positions`` (sorted, non-empty)."""
-    fast = _fast.native
-    if fast is not None and old.flags.c_contiguous:
+    fast = _fast.native if old.flags.c_contiguous else None
+    found = None  # each change's rank, in position order, when the compiled loop finds them
+    if fast is not None:
         # One pass over the block counts each key's words so far: a change's rank.
         positions = positions.astype(np.int64, copy=False)
         found, _ = fast.context_ranks(old, word, key[0], key[1], positions)
         change_keys = keys_of(old.view(_UINT[word])[positions].view(np.uint8), word, key)
-        order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
-        positions, change_keys = positions[order], change_keys[order]
-        ranks = np.frombuffer(found, dtype=np.int64)[order]
-        present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
     else:
         keys = keys_of(old, word, key)
-        perm, starts, sizes = _group(keys, key[1])
         change_keys = keys[positions]
-        order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
-        positions, change_keys = positions[order], change_keys[order]
-        present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
+    order = np.argsort(change_keys, kind="stable")  # contexts ascending, positions within
+    positions, change_keys = positions[order], change_keys[order]
+    present, first, counts = np.unique(change_keys, return_index=True, return_counts=True)
+    if found is not None:
+        ranks = np.frombuffer(found, dtype=np.int64)[order]
+    else:
+        perm, starts, sizes = _group(keys, key[1])
         ranks = np.empty(positions.size, dtype=np.int64)
         for e, lo, n in zip(present, first, counts, strict=True):
             # A stable sort keeps each context's words in position order: ranks by bisection.

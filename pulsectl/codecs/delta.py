@@ -20,7 +20,7 @@ import numpy as np
 
 from pulsectl import _zstd
 from pulsectl.codecs import _fast
-from pulsectl.codecs._bits import add_moves, value_planes
+from pulsectl.codecs._bits import add_moves, given_moves, value_planes
 from pulsectl.errors import CorruptPatchError
 
 _HEAD = struct.Struct("<IBBH")
@@ -66,7 +66,7 @@ def encode_moves(
     gaps32 = gaps.astype("<u4")
     planes = [_plane(gaps32, 4, p) for p in range(gap_bytes)]
     packed = [b"" if not plane.any() else _zstd.compress(plane, level) for plane in planes]
-    packed += values if values is not None else value_planes(_given(moved), word, level)
+    packed += values if values is not None else value_planes(given_moves(moved), word, level)
     head = _HEAD.pack(count, gap_bytes, word, 0) + struct.pack(
         f"<{len(packed)}I", *(len(p) for p in packed)
     )
@@ -125,9 +125,3 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
 def _plane(values: np.ndarray, width: int, index: int) -> np.ndarray:
     """Byte ``index`` (0 = least significant) of each little-endian ``width``-byte value."""
     return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width)[:, index])
-
-
-def _given(moved: np.ndarray | None) -> np.ndarray:
-    if moved is None:
-        raise ValueError("moved is needed when values are not given")
-    return moved

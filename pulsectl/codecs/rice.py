@@ -22,6 +22,7 @@ from pulsectl.codecs._bits import (
     MAX_RICE_K,
     add_moves,
     best_rice,
+    given_moves,
     join_planes,
     pack_fixed,
     pack_unary,
@@ -61,7 +62,9 @@ def encode_moves(
             unary,
             struct.pack("<I", len(remainder)),
             remainder,
-            join_planes(values if values is not None else value_planes(_given(moved), word, level)),
+            join_planes(
+                values if values is not None else value_planes(given_moves(moved), word, level)
+            ),
         ]
     )
 
@@ -119,9 +122,3 @@ def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     out = old.copy()
     add_moves(out, positions, moved, word)
     return out
-
-
-def _given(moved: np.ndarray | None) -> np.ndarray:
-    if moved is None:
-        raise ValueError("moved is needed when values are not given")
-    return moved
