@@ -296,3 +296,27 @@ def test_verbose_shows_traceback(
     assert main(["-v", "verify", str(a), "--patch", str(p)]) == 3
     err = capsys.readouterr().err
     assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("pulsectl: error: ")
+
+
+def test_diff_and_apply_load_no_heavy_modules(pair: tuple[Path, Path, Path]) -> None:
+    """Start-up is paid on every command of a training loop: diff and apply on the CPU must not
+    import torch (~1 s) or pydantic (~0.1 s, pulled in by typer 0.29's argument parsing)."""
+    import subprocess
+
+    a, b, p = pair
+    out = p.parent / "out.safetensors"
+    probe = (
+        "import sys\n"
+        "from pulsectl.cli.app import main\n"
+        "codes = [main(['-q', 'diff', sys.argv[1], sys.argv[2], '-o', sys.argv[3], '-f']),\n"
+        "         main(['-q', 'apply', sys.argv[1], sys.argv[3], '-o', sys.argv[4]])]\n"
+        "print(codes, sorted(m for m in ('torch', 'pydantic') if m in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe, str(a), str(b), str(p), str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.strip() == "[0, 0] []", run.stdout + run.stderr
+    assert out.read_bytes() == b.read_bytes()
