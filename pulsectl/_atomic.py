@@ -67,7 +67,7 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
         raise os_error(exc, path) from exc
     tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, _removed_on_sigbus(tmp):
             yield f
             f.flush()
             if durable:
@@ -80,6 +80,20 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
     except BaseException:
         remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def _removed_on_sigbus(path: Path) -> Iterator[None]:
+    """While inside, an input that gets shorter under a memory-mapped read (which ends the
+    process, see pulsectl._io.map_range) removes ``path`` first."""
+    from pulsectl.codecs._fast import native
+
+    token = -1 if native is None else native.add_cleanup(os.fsencode(path))
+    try:
+        yield
+    finally:
+        if native is not None and token >= 0:
+            native.remove_cleanup(token)
 
 
 def install(tmp: Path, path: Path) -> None:

@@ -43,6 +43,32 @@ def pread_into(fd: int, buf: np.ndarray, offset: int, path: str) -> np.ndarray:
     return buf
 
 
+# Smaller reads are cheaper with pread than with a map and an unmap.
+MIN_MAP_BYTES = 256 * 1024
+
+
+def map_range(fd: int, offset: int, nbytes: int, path: str) -> np.ndarray | None:
+    """``nbytes`` of the file from ``offset`` as a read-only uint8 array over a memory map of
+    it (no copy is made), or None where no map is to be had: no compiled extension (see
+    pulsectl/codecs/_fast.py), a small range, or a file system that cannot map. The map lives
+    as long as the array. A file that gets shorter while it is mapped ends the process with
+    the same error line as ``pread_into``, after removing the temp outputs of
+    ``pulsectl._atomic.atomic_file`` (pulsectl/_speedups.c)."""
+    from pulsectl.codecs._fast import native
+
+    if native is None or nbytes < MIN_MAP_BYTES:
+        return None
+    try:
+        mapped = native.map_file(fd, offset, nbytes, path)
+    except EOFError:
+        raise InputError(
+            f"{path}: file is shorter than its header says (changed while reading?)", path=path
+        ) from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}", path=path) from exc
+    return None if mapped is None else np.frombuffer(mapped, dtype=np.uint8)
+
+
 def pwrite_all(fd: int, data: np.ndarray | bytes, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (raises OSError)."""
     view = memoryview(data).cast("B")

@@ -1,7 +1,7 @@
 """diff: two checkpoints in, one .pulse patch out, streaming block by block.
 
 Checkpoint(old) + Checkpoint(new) -> items (tensors and blobs, target order)
-  -> blocks read with pread on a worker pool -> codec (pulsectl.codecs)
+  -> blocks read on a worker pool (memory maps, or pread) -> codec (pulsectl.codecs)
   -> PatchWriter in order, hashing the target as it goes -> trailer
 """
 
@@ -441,6 +441,10 @@ def _encode_task(
     size = min(block_bytes, item.nbytes - offset)
 
     def read(source: Source, file_index: int, at: int) -> np.ndarray:
+        view = getattr(source, "view", None)  # files: compared and hashed where they lie
+        mapped = None if view is None else view(file_index, at, size)
+        if mapped is not None:
+            return mapped
         read_into = getattr(source, "read_into", None)
         if pool is not None and read_into is not None:
             return read_into(file_index, at, pool.take(size))

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from pulsectl._io import pread_array, pread_into
+from pulsectl._io import map_range, pread_array, pread_into
 from pulsectl.checkpoint import Checkpoint, FileEntry, TensorInfo
 from pulsectl.errors import InputError
 from pulsectl.hashing import fingerprint_file, new_hasher
@@ -40,7 +40,7 @@ class Source(Protocol):
 
 
 class FileSource:
-    """A checkpoint on disk, its files opened once for pread."""
+    """A checkpoint on disk, its files opened once for pread and memory maps."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
@@ -79,6 +79,12 @@ class FileSource:
         """Fill ``buf`` (uint8) with the bytes of file ``file_index`` from ``offset``."""
         return pread_into(self._fds[file_index], buf, offset, str(self.ckpt.files[file_index].path))
 
+    def view(self, file_index: int, offset: int, nbytes: int) -> np.ndarray | None:
+        """The bytes as a read-only array over a memory map, without a copy (or None where
+        there is no map to be had, see pulsectl._io.map_range: read them instead)."""
+        path = str(self.ckpt.files[file_index].path)
+        return map_range(self._fds[file_index], offset, nbytes, path)
+
     def fd(self, file_index: int) -> int:
         return self._fds[file_index]
 
@@ -113,14 +119,20 @@ def scan(
     whole.update(entry.header.raw)
     tensors: dict[str, str] = {}
     read_into = getattr(source, "read_into", None)
-    buf = np.empty(SCAN_CHUNK, dtype=np.uint8) if read_into is not None else None
+    view = getattr(source, "view", None)
+    buf: np.ndarray | None = None
     for t in entry.header.tensors:
         h = new_hasher()
         for off in range(0, t.nbytes, SCAN_CHUNK):
             n = min(SCAN_CHUNK, t.nbytes - off)
             if stop is not None and stop.is_set():
                 raise Stopped
-            if buf is not None and read_into is not None:  # one buffer, no fresh pages
+            mapped = None if view is None else view(index, t.start + off, n)
+            if mapped is not None:
+                chunk = mapped
+            elif read_into is not None:  # one buffer, no fresh pages
+                if buf is None:
+                    buf = np.empty(SCAN_CHUNK, dtype=np.uint8)
                 chunk = read_into(index, t.start + off, buf[:n])
             else:
                 chunk = source.read(index, t.start + off, n)
