@@ -38,7 +38,7 @@ from pulsectl.format import (
     PatchWriter,
     blocks_in,
 )
-from pulsectl.hashing import checkpoint_fingerprint, new_hasher
+from pulsectl.hashing import checkpoint_fingerprint, new_hasher, update_both
 from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
 from pulsectl.sources import FileSource, Source, scan
 
@@ -392,8 +392,7 @@ def _write_frames(
             changed = 0
             for _ in range(nblocks):
                 data, enc = next(results)
-                h.update(data)
-                whole.update(data)
+                update_both(h, whole, data)
                 pool.give(data)
                 encoded += held.add_block(enc.codec, enc.payload)
                 changed += enc.changed

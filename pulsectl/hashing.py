@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from pulsectl.errors import InputError
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer  # Python 3.12+; annotations only
 
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -22,6 +26,20 @@ READ_CHUNK = 16 * 1024 * 1024
 def new_hasher() -> xxhash.xxh3_128:
     """A streaming hasher whose ``hexdigest()`` is a pulsectl fingerprint."""
     return xxhash.xxh3_128()
+
+
+# Bytes hashed into two hashers go in pieces that stay in the CPU's cache between the two:
+# 2 GB (1 GB into each) took 0.22 s in 8 MiB pieces and 0.15 s in 1 MiB pieces here.
+BOTH_PIECE = 1024 * 1024
+
+
+def update_both(a: xxhash.xxh3_128, b: xxhash.xxh3_128, data: Buffer) -> None:
+    """``a.update(data); b.update(data)``, piece by piece."""
+    view = memoryview(data).cast("B")
+    for at in range(0, len(view), BOTH_PIECE):
+        piece = view[at : at + BOTH_PIECE]
+        a.update(piece)
+        b.update(piece)
 
 
 def fingerprint_bytes(data: bytes | memoryview) -> str:

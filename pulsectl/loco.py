@@ -56,7 +56,7 @@ from pulsectl.format import (
     PatchWriter,
     blocks_in,
 )
-from pulsectl.hashing import fingerprint_bytes, new_hasher
+from pulsectl.hashing import fingerprint_bytes, new_hasher, update_both
 from pulsectl.patch import (
     FileRef,
     Item,
@@ -326,8 +326,7 @@ def write_update(
             new = words.view(np.uint8)
             enc = encode_block(zeros[: new.size], new, 4, level)
             writer.add_block(enc.codec, enc.payload)
-            h.update(new.data)
-            whole.update(new.data)
+            update_both(h, whole, new.data)
             changed += enc.changed
         results.append(ItemResult(h.hexdigest(), changed, writer.offset - start))
     target_fp = whole.hexdigest()
@@ -376,8 +375,7 @@ def read_update(source: str | Path | BinaryIO, name: str | None = None) -> Spars
                 raise CorruptPatchError(
                     f"{reader.name}: tensor {t.name!r}: {exc}", path=reader.name, tensor=t.name
                 ) from exc
-            h.update(data.data)
-            whole.update(data.data)
+            update_both(h, whole, data.data)
             words = data.view("<u4")
             nz = np.flatnonzero(words)
             pos_parts.append(nz + b * words_per_block)

@@ -18,7 +18,7 @@ import numpy as np
 from pulsectl._io import map_range, pread_array, pread_into
 from pulsectl.checkpoint import Checkpoint, FileEntry, TensorInfo
 from pulsectl.errors import InputError
-from pulsectl.hashing import fingerprint_file, new_hasher
+from pulsectl.hashing import fingerprint_file, new_hasher, update_both
 from pulsectl.patch import FileRef
 
 SCAN_CHUNK = 16 * 1024 * 1024
@@ -136,7 +136,6 @@ def scan(
                 chunk = read_into(index, t.start + off, buf[:n])
             else:
                 chunk = source.read(index, t.start + off, n)
-            h.update(chunk)
-            whole.update(chunk)
+            update_both(h, whole, chunk)
         tensors[t.name] = h.hexdigest()
     return FileRef(entry.relpath, entry.size, whole.hexdigest()), tensors
