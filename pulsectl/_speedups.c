@@ -56,27 +56,34 @@ static inline int span_differs(const uint8_t *x, const uint8_t *y) {
  * when a third of the words change). With `planes`, the zigzag move of each word also goes
  * into `word` planes (plane p at planes + p * stride), the value planes of codecs 3-5, while
  * both words are in registers. One function per word type. */
+#define PREFETCH_AHEAD 2048
+
 #define CHANGES_OF(NAME, T)                                                                   \
     static inline __attribute__((always_inline)) size_t NAME##_body(                          \
-        const uint8_t *a, const uint8_t *b, size_t nwords, int64_t *out, uint8_t *planes,     \
-        size_t stride, const int with_planes) {                                               \
+        const uint8_t *restrict a, const uint8_t *restrict b, size_t nwords,                  \
+        int64_t *restrict out, uint8_t *restrict planes, size_t stride, const int with_planes) { \
         const T *x = (const T *)a, *y = (const T *)b;                                         \
         const size_t per_span = 64 / sizeof(T);                                               \
         const int top = 8 * (int)sizeof(T) - 1;                                               \
         size_t count = 0, i = 0;                                                              \
         for (; i < nwords; i += per_span) {                                                   \
             size_t end = i + per_span <= nwords ? i + per_span : nwords;                      \
+            /* Inputs are often memory maps: ask for the bytes ahead (prefetchers stop at     \
+             * page edges). Prefetching never faults, past the end neither. */                 \
+            __builtin_prefetch(a + i * sizeof(T) + PREFETCH_AHEAD);                           \
+            __builtin_prefetch(b + i * sizeof(T) + PREFETCH_AHEAD);                           \
             if (end - i == per_span && !span_differs(a + i * sizeof(T), b + i * sizeof(T)))   \
                 continue;                                                                     \
             for (size_t j = i; j < end; j++) {                                                \
+                T u = x[j], v = y[j];                                                         \
                 out[count] = (int64_t)j;                                                      \
                 if (with_planes) { /* a constant in each of the two functions below */         \
-                    T d = (T)(y[j] - x[j]);                                                   \
+                    T d = (T)(v - u);                                                         \
                     T z = (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> top)));                       \
                     for (size_t p = 0; p < sizeof(T); p++)                                    \
                         planes[p * stride + count] = (uint8_t)((uint64_t)z >> (8 * p));       \
                 }                                                                             \
-                count += x[j] != y[j];                                                        \
+                count += u != v;                                                              \
             }                                                                                 \
         }                                                                                     \
         return count;                                                                         \
