@@ -482,6 +482,125 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------- Rice blocks in place */
+
+/* The loop of rice_scatter for one word type: rice_decode's positions, one at a time, each
+ * word moved at once by the zigzag value its planes hold (unzigzag, then scatter_add). The
+ * error (a static string) or NULL. */
+#define RICE_SCATTER_OF(NAME, T)                                                              \
+    static const char *NAME##_rice_scatter(                                                   \
+        uint8_t *restrict words, size_t nwords, const uint8_t *ub, size_t ulen,               \
+        const uint8_t *rb, const uint8_t *rend, size_t count, int k,                          \
+        const uint8_t *const *src) {                                                          \
+        const uint8_t *uend = ub + ulen;                                                      \
+        uint64_t limit = (uint64_t)nwords >> k;                                               \
+        int64_t at = -1, end_before = -1;                                                     \
+        size_t found = 0;                                                                     \
+        for (size_t w = 0; w * 8 < ulen && found < count; w++) {                              \
+            uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF);                              \
+            while (zeros && found < count) {                                                  \
+                int lead = __builtin_clzll(zeros);                                            \
+                zeros ^= 1ull << (63 - lead);                                                 \
+                int64_t end = (int64_t)(64 * w + (size_t)lead);                               \
+                uint64_t q = (uint64_t)(end - end_before - 1), r = 0;                         \
+                end_before = end;                                                             \
+                if (k) {                                                                      \
+                    uint64_t bit = (uint64_t)found * (uint64_t)k;                             \
+                    r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);       \
+                }                                                                             \
+                if (q > limit) return "rice block points past the end of its block";         \
+                at += (int64_t)((q << k) + r + 1);                                            \
+                if (at >= (int64_t)nwords) return "rice block points past the end of its block"; \
+                T z = 0, x;                                                                   \
+                for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][found] << (8 * j)); \
+                memcpy(&x, words + sizeof(T) * (size_t)at, sizeof(T));                        \
+                x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                       \
+                memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                        \
+                found++;                                                                      \
+            }                                                                                 \
+        }                                                                                     \
+        return found < count ? "unary stream is too short" : NULL;                            \
+    }
+
+RICE_SCATTER_OF(r1, uint8_t)
+RICE_SCATTER_OF(r2, uint16_t)
+RICE_SCATTER_OF(r4, uint32_t)
+RICE_SCATTER_OF(r8, uint64_t)
+
+/* rice_scatter(words, unary, remainder, count, k, planes, word): a Rice block applied to
+ * `words` (writable) in place: what scatter_add(words, rice_decode(...), unzigzag(planes, ...))
+ * does, in one pass and without the arrays between. Damaged streams raise as in rice_decode,
+ * and leave `words` partly patched. */
+static PyObject *rice_scatter(PyObject *self, PyObject *args) {
+    Py_buffer w, u, rem;
+    Py_ssize_t count;
+    int k, word;
+    PyObject *planes;
+    if (!PyArg_ParseTuple(args, "w*y*y*niOi", &w, &u, &rem, &count, &k, &planes, &word))
+        return NULL;
+    PyObject *result = NULL;
+    Py_buffer views[8];
+    const uint8_t *src[8];
+    uint8_t *zero = NULL;
+    int held = 0;
+    if (!(word == 1 || word == 2 || word == 4 || word == 8) || w.len % word ||
+        !PyTuple_Check(planes) || PyTuple_GET_SIZE(planes) != word) {
+        PyErr_SetString(PyExc_ValueError, "rice_scatter: mismatched arguments");
+        goto done;
+    }
+    size_t nwords = (size_t)w.len / (size_t)word;
+    if (count <= 0 || (size_t)count > nwords || k < 0 || k > MAX_RICE_K) {
+        PyErr_SetString(PyExc_ValueError, "rice_scatter: bad count or k");
+        goto done;
+    }
+    if ((uint64_t)rem.len != ((uint64_t)count * (uint64_t)k + 7) / 8) {
+        corrupt("remainder stream has the wrong length");
+        goto done;
+    }
+    for (int j = 0; j < word; j++) {
+        PyObject *plane = PyTuple_GET_ITEM(planes, j);
+        src[j] = NULL;
+        if (plane == Py_None) {
+            if (!zero && !(zero = calloc((size_t)count, 1))) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            src[j] = zero;
+            continue;
+        }
+        if (PyObject_GetBuffer(plane, &views[j], PyBUF_SIMPLE) < 0) goto done;
+        held |= 1 << j;
+        if (views[j].len != count) {
+            PyErr_SetString(PyExc_ValueError, "rice_scatter: a plane of the wrong size");
+            goto done;
+        }
+        src[j] = views[j].buf;
+    }
+    /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
+    size_t ulen = (size_t)u.len, bound = ((size_t)count + nwords + 7) / 8;
+    if (ulen > bound) ulen = bound;
+    const uint8_t *rb = rem.buf, *rend = rb + rem.len;
+    const char *error;
+    Py_BEGIN_ALLOW_THREADS
+    switch (word) {
+    case 1: error = r1_rice_scatter(w.buf, nwords, u.buf, ulen, rb, rend, (size_t)count, k, src); break;
+    case 2: error = r2_rice_scatter(w.buf, nwords, u.buf, ulen, rb, rend, (size_t)count, k, src); break;
+    case 4: error = r4_rice_scatter(w.buf, nwords, u.buf, ulen, rb, rend, (size_t)count, k, src); break;
+    default: error = r8_rice_scatter(w.buf, nwords, u.buf, ulen, rb, rend, (size_t)count, k, src);
+    }
+    Py_END_ALLOW_THREADS
+    if (error) corrupt(error);
+    else result = Py_NewRef(Py_None);
+done:
+    for (int j = 0; j < 8; j++)
+        if (held & (1 << j)) PyBuffer_Release(&views[j]);
+    free(zero);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&rem);
+    return result;
+}
+
 /* ---------------------------------------------------------------- applying moves */
 
 /* scatter_add(words, positions, moves, word): words[p] += move, modulo 2**(8*word), in place. */
@@ -1029,6 +1148,9 @@ static PyMethodDef methods[] = {
      "rice_encode(positions) -> (k, unary, remainder) of the gaps of sorted int64 positions."},
     {"rice_decode", rice_decode, METH_VARARGS,
      "rice_decode(unary, remainder, count, k, nwords) -> bytearray of int64 positions."},
+    {"rice_scatter", rice_scatter, METH_VARARGS,
+     "rice_scatter(words, unary, remainder, count, k, planes, word): a Rice block applied to "
+     "words in place (rice_decode, unzigzag and scatter_add in one pass)."},
     {"scatter_add", scatter_add, METH_VARARGS,
      "scatter_add(words, positions, moves, word): words[p] += move in place (wrapping)."},
     {"unzigzag", unzigzag, METH_VARARGS,

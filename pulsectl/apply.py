@@ -26,7 +26,7 @@ import numpy as np
 from pulsectl._atomic import check_target, install, os_error, remove, temp_path
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
-from pulsectl.codecs import decode_block, decode_moves
+from pulsectl.codecs import decode_block, decode_moves, patch_in_place
 from pulsectl.codecs._bits import add_moves
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.format import (
@@ -705,21 +705,14 @@ def _decode_task(
         finally:
             chain.feed(step.block, old)  # the base bytes, before they are patched in place
         try:
-            moves = None if old is None else decode_moves(codec, payload, old, item.word)
-            if moves is None:
-                out = decode_block(codec, payload, old, step.size, item.word)
-                if out is not old:
-                    pool.give(old)
-            elif device is not None:
-                from pulsectl.device import apply_moves
-
-                assert old is not None
-                out = apply_moves(old, moves[0], moves[1], item.word, device)
-                pool.give(old)
-            else:
-                assert old is not None
+            if (
+                old is not None
+                and device is None
+                and patch_in_place(codec, payload, old, item.word)
+            ):
                 out = old  # patched in place: its base fingerprint is already taken
-                add_moves(out, moves[0], moves[1], item.word)
+            else:
+                out = _decode(codec, payload, old, step.size, item.word, pool, device)
         except CorruptPatchError as exc:
             raise CorruptPatchError(
                 f"{patch_name}: tensor {item.label!r}: {exc}",
@@ -734,6 +727,33 @@ def _decode_task(
         return chain, out
 
     return run
+
+
+def _decode(
+    codec: int,
+    payload: bytes,
+    old: np.ndarray | None,
+    size: int,
+    word: int,
+    pool: BufferPool,
+    device: str | None,
+) -> np.ndarray:
+    """A block's new bytes, by its positions and moves (scattered on ``device``) or whole."""
+    moves = None if old is None else decode_moves(codec, payload, old, word)
+    if moves is None:
+        out = decode_block(codec, payload, old, size, word)
+        if out is not old:
+            pool.give(old)
+        return out
+    assert old is not None
+    if device is not None:
+        from pulsectl.device import apply_moves
+
+        out = apply_moves(old, moves[0], moves[1], word, device)
+        pool.give(old)
+        return out
+    add_moves(old, moves[0], moves[1], word)  # in place: its base fingerprint is already taken
+    return old
 
 
 class _Chain:

@@ -175,6 +175,42 @@ def test_damaged_rice_streams_are_refused_both_ways(damage: str):
                     rice.decode_moves(payload, 2, 5000)
             else:
                 rice.decode_moves(payload, 2, 5000)
+    with pytest.raises(CorruptPatchError):  # and decoded straight into a block
+        rice.add_in_place(np.zeros(2 * 5000, dtype=np.uint8), payload, 2)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    word=st.sampled_from(WORDS),
+    count=st.integers(1, 3000),
+    scale=st.sampled_from([1, 2, 5, 40, 1000]),
+    spare=st.integers(0, 70),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rice_blocks_applied_in_place_agree(word, count, scale, spare, seed):
+    """rice_scatter (decoding straight into the block) against numpy's positions and moves:
+    every word width, moves of every size, a last change at the very end or not."""
+    rng = np.random.default_rng(seed)
+    steps = rng.geometric(1 / scale, count) if scale > 1 else np.ones(count, dtype=np.int64)
+    positions = (np.cumsum(steps) - 1).astype(np.int64)
+    nwords = int(positions[-1]) + 1 + spare
+    utype = UINT_OF_WORD[word]
+    moved = rng.integers(1, 2 ** min(8 * word, 63), count, dtype=np.uint64).astype(utype)
+    moved[rng.random(count) < 0.8] = np.asarray(1, dtype=utype)  # mostly one unit up or down
+    moved[rng.random(count) < 0.4] = np.asarray(-1 & (2 ** (8 * word) - 1), dtype=utype)
+    payload = rice.encode_moves(positions, moved, word, 3)
+    old = rng.integers(0, 256, nwords * word, dtype=np.uint8)
+    fast = old.copy()
+    assert rice.add_in_place(fast, payload, word)
+    with pure_numpy():
+        slow = old.copy()
+        assert not rice.add_in_place(slow, payload, word)  # the numpy path takes over
+        at, moves = rice.decode_moves(payload, word, nwords)
+        add_moves(slow, at, moves, word)
+    want = old.copy()
+    want.view(utype)[positions] += moved
+    assert fast.tobytes() == slow.tobytes() == want.tobytes()
 
 
 @needs_native

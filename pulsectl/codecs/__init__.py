@@ -166,6 +166,13 @@ def decode_moves(
     return None
 
 
+def patch_in_place(codec: int, payload: bytes, old: np.ndarray, word: int) -> bool:
+    """Apply a delta block to ``old`` (uint8, writable) in place where a compiled loop does it
+    in one pass (codec 5, the default level's); False, ``old`` untouched, otherwise: then use
+    ``decode_moves`` or ``decode_block``. On a damaged payload ``old`` may be partly patched."""
+    return codec == CODEC_RICE and rice.add_in_place(old, payload, word)
+
+
 def decode_block(
     codec: int, payload: bytes, old: np.ndarray | None, nbytes: int, word: int
 ) -> np.ndarray:

@@ -211,8 +211,11 @@ def order0_bits(gaps: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum() * gaps.size + extra)
 
 
-def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:
-    """The value planes at ``offset`` (the rest of the payload) as unsigned moves."""
+def value_plane_bytes(
+    view: memoryview, offset: int, count: int, word: int
+) -> tuple[bytes | None, ...]:
+    """The value planes at ``offset`` (the rest of the payload), decompressed: ``count`` zigzag
+    bytes each, plane 0 first, None for a plane that is all zeros."""
     if len(view) < offset + 4 * word:
         raise CorruptPatchError("block is shorter than its value table")
     plane_sizes = struct.unpack_from(f"<{word}I", view, offset)
@@ -223,10 +226,16 @@ def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.nda
     for size in plane_sizes:
         planes.append(_zstd.decompress(view[offset : offset + size], count) if size else None)
         offset += size
+    return tuple(planes)
+
+
+def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:
+    """The value planes at ``offset`` (the rest of the payload) as unsigned moves."""
+    planes = value_plane_bytes(view, offset, count, word)
     utype, stype = _UINT[word], _SINT[word]
     fast = _fast.native
     if fast is not None:
-        return np.frombuffer(fast.unzigzag(tuple(planes), count, word), dtype=f"<u{word}").astype(
+        return np.frombuffer(fast.unzigzag(planes, count, word), dtype=f"<u{word}").astype(
             utype, copy=False
         )
     values = np.zeros((count, word), dtype=np.uint8)

@@ -30,6 +30,7 @@ from pulsectl.codecs._bits import (
     unary_ends,
     unpack_fixed,
     unpack_moves,
+    value_plane_bytes,
     value_planes,
 )
 from pulsectl.errors import CorruptPatchError
@@ -85,8 +86,10 @@ def rice_streams(
     return k, pack_unary(gaps >> k), pack_fixed(gaps & ((1 << k) - 1), k)
 
 
-def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
-    """The positions (int64) and moves (unsigned) of a Rice delta payload (no base needed)."""
+def _streams(
+    payload: bytes, word: int, nwords: int
+) -> tuple[memoryview, int, int, memoryview, memoryview, int]:
+    """A Rice delta payload's parts: (view, count, k, unary, remainder, offset of the planes)."""
     view = memoryview(payload)
     if len(payload) < _HEAD.size:
         raise CorruptPatchError("rice block is shorter than its header")
@@ -97,6 +100,26 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
         raise CorruptPatchError(f"rice block claims {count} changes in {nwords} words")
     unary, offset = take_sized(view, _HEAD.size)
     remainder, offset = take_sized(view, offset)
+    return view, count, k, unary, remainder, offset
+
+
+def add_in_place(block: np.ndarray, payload: bytes, word: int) -> bool:
+    """Apply a Rice delta payload to ``block`` (uint8, writable) in place with the compiled
+    loop, which never holds the positions and moves as arrays (on a 34%-dense 1 GB pair these
+    passes were half of apply's CPU time). False, ``block`` untouched, where that loop is not
+    available: use ``decode_moves``. On a damaged payload ``block`` may be partly patched."""
+    fast = _fast.native
+    if fast is None or not block.flags.c_contiguous or not block.flags.writeable:
+        return False
+    view, count, k, unary, remainder, offset = _streams(payload, word, block.size // word)
+    planes = value_plane_bytes(view, offset, count, word)
+    fast.rice_scatter(block, unary, remainder, count, k, planes, word)
+    return True
+
+
+def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (int64) and moves (unsigned) of a Rice delta payload (no base needed)."""
+    view, count, k, unary, remainder, offset = _streams(payload, word, nwords)
     fast = _fast.native
     if fast is not None:
         positions = np.frombuffer(fast.rice_decode(unary, remainder, count, k, nwords), np.int64)
@@ -118,7 +141,8 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
 
 def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a Rice delta payload."""
-    positions, moved = decode_moves(payload, word, old.size // word)
     out = old.copy()
-    add_moves(out, positions, moved, word)
+    if not add_in_place(out, payload, word):
+        positions, moved = decode_moves(payload, word, old.size // word)
+        add_moves(out, positions, moved, word)
     return out
