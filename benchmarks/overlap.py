@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-bench" / "overlap"
     )
-    parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median kept)")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per figure (median kept)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pulsectl = shutil.which("pulsectl") or sys.exit("pulsectl is not on PATH (pip install -e .)")
