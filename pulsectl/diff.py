@@ -440,7 +440,9 @@ def _encode_task(
     size = min(block_bytes, item.nbytes - offset)
 
     def read(source: Source, file_index: int, at: int) -> np.ndarray:
-        view = getattr(source, "view", None)  # files: compared and hashed where they lie
+        # Files are compared and hashed where they lie (a read-only map), except for a torch
+        # device: torch warns about every read-only array it wraps.
+        view = getattr(source, "view", None) if device is None else None
         mapped = None if view is None else view(file_index, at, size)
         if mapped is not None:
             return mapped

@@ -138,3 +138,28 @@ def test_a_sigbus_outside_pulsectls_maps_is_not_caught(tmp_path: Path) -> None:
     )
     assert run.returncode == -signal.SIGBUS, run
     assert "pulsectl: error" not in run.stderr
+
+
+DEVICE_PROBE = """
+import io, sys
+import pulsectl._io
+from pulsectl.diff import DiffOptions, diff_checkpoints
+pulsectl._io.MIN_MAP_BYTES = 1
+buf = io.BytesIO()
+diff_checkpoints(sys.argv[1], sys.argv[2], buf, options=DiffOptions(workers=2, device="cpu"))
+sys.stdout.write(buf.getvalue().hex())
+"""
+
+
+def test_a_diff_on_a_device_reads_without_maps_and_warns_nothing(chain: list[Path]) -> None:
+    """torch warns about every read-only array it wraps: with --device, diff reads its blocks
+    into buffers instead of mapping them, and the patch is the same."""
+    run = subprocess.run(
+        [sys.executable, "-W", "error", "-c", DEVICE_PROBE, str(chain[0]), str(chain[3])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    assert bytes.fromhex(run.stdout) == patch_bytes(chain[0], chain[3], workers=2)
