@@ -1,7 +1,10 @@
 """Run commands as child processes and record wall time and the child's own peak RSS.
 
-Each command runs in a fresh child; ``os.wait4`` returns that child's rusage, whose
-``ru_maxrss`` (KiB on Linux) is its peak resident set, independent of earlier children.
+Each command runs in a fresh grandchild: the harness forks a small launcher (a bare Python,
+about 10 MB resident), which forks and execs the command, times it and reads its rusage with
+``os.wait4``. A command forked straight from the harness would report the harness's own
+resident set as its peak when that is larger: Linux keeps in ``ru_maxrss`` the peak of the
+memory the child had before ``exec`` too, a copy of the parent's.
 """
 
 from __future__ import annotations
@@ -26,21 +29,45 @@ class Run:
     cpu_s: float = 0.0  # user + system time of the child
 
 
+# Forks and execs argv[2:], then writes "wall maxrss_kib cpu_s exit_code" to fd argv[1].
+_LAUNCHER = """
+import os, sys, time
+out, cmd = int(sys.argv[1]), sys.argv[2:]
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(cmd[0], cmd)
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+wall = time.perf_counter() - t0
+code = os.waitstatus_to_exitcode(status)
+os.write(out, f"{wall!r} {ru.ru_maxrss} {ru.ru_utime + ru.ru_stime!r} {code}".encode())
+"""
+
+
 def timed(cmd: list[str], stdout: Path | None = None, timeout: float | None = None) -> Run:
-    """Wall time and peak RSS of ``cmd`` in a fresh child, via fork/exec and wait4."""
+    """Wall time, CPU time and peak RSS of ``cmd``, run by a launcher (see the module doc)."""
     out_fd = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stdout else None
     err_r, err_w = os.pipe()
+    res_r, res_w = os.pipe()
+    launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(res_w), *cmd]
     t0 = time.perf_counter()
     pid = os.fork()
-    if pid == 0:  # child
+    if pid == 0:  # child: the launcher, in a process group of its own (killed whole on timeout)
         try:
+            os.setpgid(0, 0)
             os.close(err_r)
+            os.close(res_r)
+            os.set_inheritable(res_w, True)
             os.dup2(out_fd if out_fd is not None else os.open(os.devnull, os.O_WRONLY), 1)
             os.dup2(err_w, 2)
-            os.execvp(cmd[0], cmd)
+            os.execv(launcher[0], launcher)
         finally:
             os._exit(127)
     os.close(err_w)
+    os.close(res_w)
     if out_fd is not None:
         os.close(out_fd)
     err = b""
@@ -57,20 +84,29 @@ def timed(cmd: list[str], stdout: Path | None = None, timeout: float | None = No
         if wpid:
             break
         if deadline is not None and time.perf_counter() > deadline:
-            os.kill(pid, 9)
-            _, status, usage = os.wait4(pid, 0)
+            os.killpg(pid, 9)
+            os.wait4(pid, 0)
             os.close(err_r)
-            cpu = usage.ru_utime + usage.ru_stime
-            return Run(time.perf_counter() - t0, usage.ru_maxrss * 1024, -9, cpu)
+            os.close(res_r)
+            return Run(time.perf_counter() - t0, 0, -9, 0.0)
         time.sleep(0.002)
-    wall = time.perf_counter() - t0
     os.close(err_r)
-    code = os.waitstatus_to_exitcode(status)
+    with os.fdopen(res_r, "rb") as f:
+        result = f.read().split()
+    if len(result) != 4:  # the launcher itself failed
+        sys.stderr.write(f"launcher failed: {' '.join(cmd)}\n{err.decode(errors='replace')}\n")
+        return Run(time.perf_counter() - t0, 0, os.waitstatus_to_exitcode(status) or 1, 0.0)
+    wall, max_rss_kib, cpu, code = (
+        float(result[0]),
+        int(result[1]),
+        float(result[2]),
+        int(result[3]),
+    )
     if code != 0:
         sys.stderr.write(
             f"command failed ({code}): {' '.join(cmd)}\n{err.decode(errors='replace')}\n"
         )
-    return Run(wall, usage.ru_maxrss * 1024, code, usage.ru_utime + usage.ru_stime)
+    return Run(wall, max_rss_kib * 1024, code, cpu)
 
 
 def best_of(

@@ -368,8 +368,9 @@ def render(r: dict[str, Any]) -> str:
             else f"Wall time in seconds (best of up to {r['repeats']} runs; commands slower than "
             "a minute run once), "
         )
-        + "the child's CPU time (user + system) in brackets, and peak RSS (`ru_maxrss` of each fresh child via "
-        "`wait4`). All inputs are read once beforehand so every command finds them in the page "
+        + "the child's CPU time (user + system) in brackets, and peak RSS (`ru_maxrss` of each "
+        "command, forked by a small launcher so that the harness's own memory does not count, "
+        "see benchmarks/measure.py). All inputs are read once beforehand so every command finds them in the page "
         "cache. Compare pass = a child Python that memory-maps both files and computes "
         "`(a != b).sum()` over the uint16 data region in 16 MiB chunks. RSS of the compare pass "
         "includes the mapped file pages it touched. `apply` and `cp` each write a new file "
