@@ -328,6 +328,7 @@ def _apply_parts(
         # One writer per file at a time: concurrent pwrites to one file queue on its inode lock
         # in the kernel, which spins while the holder runs and so burns the other core.
         write_locks = [threading.Lock() for _ in fds]
+        abandoned = threading.Event()  # set once this pass stops, on success or an error
 
         def write(file: int, data: np.ndarray | bytes, offset: int) -> None:
             try:
@@ -337,7 +338,7 @@ def _apply_parts(
                 raise os_error(exc, paths[file]) from exc
 
         def tasks() -> Iterator[Callable[[], tuple[Any, Any]]]:
-            chain = _Chain()
+            chain = _Chain(abandoned)
             for step in plan:
                 if isinstance(step, _Prefix):
                     yield _prefix_task(step, write)
@@ -347,7 +348,7 @@ def _apply_parts(
                     reader, header = parts[step.part]
                     item = header.items[step.index]
                     if step.block == 0:
-                        chain = _Chain()
+                        chain = _Chain(abandoned)
                         nblocks = blocks_in(item.nbytes, first.block_bytes)
                         reader.read_frame(step.index, nblocks)
                         if nblocks == 0:
@@ -374,6 +375,8 @@ def _apply_parts(
         # a worker still writing when the output's fd is closed could write into whatever file
         # reuses that fd number next.
         closing.callback(results.close)
+        # ... and before that, release any worker waiting for a block that was cancelled.
+        closing.callback(abandoned.set)
         wholes = [new_hasher() for _ in first.files]
         written = [0] * len(first.files)
         item_fps: dict[tuple[int, int], str] = {}  # block patches: each tensor's fingerprint
@@ -760,19 +763,28 @@ class _Chain:
     """One item's base fingerprint, fed by the workers block by block, in block order.
 
     Tasks start in submission order, so a block waiting for its turn only ever waits for
-    blocks already running; a task that fails still passes its turn on.
+    blocks already running; a task that fails still passes its turn on. A task cancelled
+    before it started does not: once apply stops on an error it cancels the tasks not yet
+    started, and a later block of the same item may already be waiting for one of them. So a
+    waiting block gives up its turn once ``abandoned`` is set (as apply does before it waits
+    for the workers).
     """
 
-    def __init__(self) -> None:
+    _POLL_S = 0.05  # how soon a waiting block notices ``abandoned``
+
+    def __init__(self, abandoned: threading.Event | None = None) -> None:
         self._hasher = new_hasher()
         self._next = 0
         self._turn = threading.Condition()
+        self._abandoned = abandoned
         self.fed = False
 
     def feed(self, block: int, data: np.ndarray | None) -> None:
         with self._turn:
             while self._next != block:
-                self._turn.wait()
+                if self._abandoned is not None and self._abandoned.is_set():
+                    return  # apply has stopped: the blocks before this one may never run
+                self._turn.wait(self._POLL_S if self._abandoned is not None else None)
         try:
             if data is not None:
                 self._hasher.update(data)

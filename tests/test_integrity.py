@@ -339,3 +339,22 @@ def test_many_workers_many_blocks(chain: list[Path], tmp_path: Path, workers: in
     with pytest.raises(IntegrityError, match=f"tensor {info.name!r} has fingerprint"):
         apply_patches(bad, [patch], out2, workers=workers)
     assert not out2.exists() and not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_a_block_waiting_for_a_cancelled_one_is_released() -> None:
+    """apply cancels the tasks not yet started when it stops on an error; a later block of the
+    same tensor, already waiting for its turn to hash, must not wait forever (it did: CI hung
+    in test_many_workers_many_blocks)."""
+    import threading
+
+    from pulsectl.apply import _Chain
+
+    abandoned = threading.Event()
+    chain = _Chain(abandoned)
+    waiter = threading.Thread(target=chain.feed, args=(1, None), daemon=True)  # block 0 never runs
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # still waiting for block 0
+    abandoned.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
