@@ -412,6 +412,42 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
     return v;
 }
 
+/* The body of a walk over a Rice block's changes, in order: change `found`'s position `at`
+ * comes from its unary code (the quotient: the 1-bits before its ending 0-bit) and its k-bit
+ * remainder; each is checked to lie inside the block's `nwords` words before EMIT runs.
+ * Returns the error (a static string) or NULL. Used by rice_decode and rice_scatter. */
+#define RICE_WALK(EMIT)                                                                       \
+    const uint8_t *uend = ub + ulen;                                                          \
+    uint64_t limit = (uint64_t)nwords >> k;                                                   \
+    int64_t at = -1, end_before = -1;                                                         \
+    size_t found = 0;                                                                         \
+    for (size_t w = 0; w * 8 < ulen && found < count; w++) {                                  \
+        uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF); /* past the end: no zeros */     \
+        while (zeros && found < count) {                                                      \
+            int lead = __builtin_clzll(zeros);                                                \
+            zeros ^= 1ull << (63 - lead);                                                     \
+            int64_t end = (int64_t)(64 * w + (size_t)lead);                                   \
+            uint64_t q = (uint64_t)(end - end_before - 1), r = 0;                             \
+            end_before = end;                                                                 \
+            if (k) {                                                                          \
+                uint64_t bit = (uint64_t)found * (uint64_t)k;                                 \
+                r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);           \
+            }                                                                                 \
+            if (q > limit) return "rice block points past the end of its block";             \
+            at += (int64_t)((q << k) + r + 1);                                                \
+            if (at >= (int64_t)nwords) return "rice block points past the end of its block"; \
+            EMIT;                                                                             \
+            found++;                                                                          \
+        }                                                                                     \
+    }                                                                                         \
+    return found < count ? "unary stream is too short" : NULL;
+
+static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                                  const uint8_t *rend, size_t count, int k, size_t nwords,
+                                  int64_t *out) {
+    RICE_WALK(out[found] = at)
+}
+
 /* rice_decode(unary, remainder, count, k, nwords) -> positions (int64, as a bytearray).
  *
  * Two tight passes instead of one bit by bit: first the bit index of each unary code's
@@ -437,40 +473,10 @@ static PyObject *rice_decode(PyObject *self, PyObject *args) {
     /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
     size_t ulen = (size_t)u.len, bound = ((size_t)count + (size_t)nwords + 7) / 8;
     if (ulen > bound) ulen = bound;
-    const uint8_t *ub = u.buf, *uend = ub + ulen, *rb = rem.buf, *rend = rb + rem.len;
-    uint64_t limit = (uint64_t)nwords >> k;
-    const char *error = NULL;
+    const char *error;
     Py_BEGIN_ALLOW_THREADS
-    size_t found = 0;
-    for (size_t w = 0; w * 8 < ulen && found < (size_t)count; w++) {
-        uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF); /* bytes past the end: no zeros */
-        while (zeros && found < (size_t)count) {
-            int lead = __builtin_clzll(zeros);
-            out[found++] = (int64_t)(64 * w + (size_t)lead);
-            zeros ^= 1ull << (63 - lead);
-        }
-    }
-    if (found < (size_t)count) error = "unary stream is too short";
-    int64_t at = -1, end_before = -1;
-    for (Py_ssize_t i = 0; i < count && !error; i++) {
-        uint64_t q = (uint64_t)(out[i] - end_before - 1);
-        end_before = out[i];
-        uint64_t r = 0;
-        if (k) {
-            uint64_t bit = (uint64_t)i * (uint64_t)k;
-            r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);
-        }
-        if (q > limit) {
-            error = "rice block points past the end of its block";
-            break;
-        }
-        at += (int64_t)((q << k) + r + 1);
-        if (at >= (int64_t)nwords) {
-            error = "rice block points past the end of its block";
-            break;
-        }
-        out[i] = at;
-    }
+    error = rice_positions(u.buf, ulen, rem.buf, (const uint8_t *)rem.buf + rem.len,
+                           (size_t)count, k, (size_t)nwords, out);
     Py_END_ALLOW_THREADS
     if (error) {
         Py_CLEAR(result);
@@ -484,48 +490,64 @@ done:
 
 /* ---------------------------------------------------------------- Rice blocks in place */
 
-/* The loop of rice_scatter for one word type: rice_decode's positions, one at a time, each
- * word moved at once by the zigzag value its planes hold (unzigzag, then scatter_add). The
- * error (a static string) or NULL. */
+/* The loop of rice_scatter for one word type: the walk of rice_decode, each word moved at
+ * once by the zigzag value its planes hold (unzigzag, then scatter_add). */
 #define RICE_SCATTER_OF(NAME, T)                                                              \
+    static inline void NAME##_add(uint8_t *words, int64_t at, const uint8_t *const *src,      \
+                                  size_t i) {                                                 \
+        T z = 0, x;                                                                           \
+        for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][i] << (8 * j));             \
+        memcpy(&x, words + sizeof(T) * (size_t)at, sizeof(T));                                \
+        x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                               \
+        memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                                \
+    }                                                                                         \
     static const char *NAME##_rice_scatter(                                                   \
         uint8_t *restrict words, size_t nwords, const uint8_t *ub, size_t ulen,               \
         const uint8_t *rb, const uint8_t *rend, size_t count, int k,                          \
         const uint8_t *const *src) {                                                          \
-        const uint8_t *uend = ub + ulen;                                                      \
-        uint64_t limit = (uint64_t)nwords >> k;                                               \
-        int64_t at = -1, end_before = -1;                                                     \
-        size_t found = 0;                                                                     \
-        for (size_t w = 0; w * 8 < ulen && found < count; w++) {                              \
-            uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF);                              \
-            while (zeros && found < count) {                                                  \
-                int lead = __builtin_clzll(zeros);                                            \
-                zeros ^= 1ull << (63 - lead);                                                 \
-                int64_t end = (int64_t)(64 * w + (size_t)lead);                               \
-                uint64_t q = (uint64_t)(end - end_before - 1), r = 0;                         \
-                end_before = end;                                                             \
-                if (k) {                                                                      \
-                    uint64_t bit = (uint64_t)found * (uint64_t)k;                             \
-                    r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);       \
-                }                                                                             \
-                if (q > limit) return "rice block points past the end of its block";         \
-                at += (int64_t)((q << k) + r + 1);                                            \
-                if (at >= (int64_t)nwords) return "rice block points past the end of its block"; \
-                T z = 0, x;                                                                   \
-                for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][found] << (8 * j)); \
-                memcpy(&x, words + sizeof(T) * (size_t)at, sizeof(T));                        \
-                x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                       \
-                memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                        \
-                found++;                                                                      \
-            }                                                                                 \
-        }                                                                                     \
-        return found < count ? "unary stream is too short" : NULL;                            \
+        RICE_WALK(NAME##_add(words, at, src, found))                                          \
     }
 
 RICE_SCATTER_OF(r1, uint8_t)
 RICE_SCATTER_OF(r2, uint16_t)
 RICE_SCATTER_OF(r4, uint32_t)
 RICE_SCATTER_OF(r8, uint64_t)
+
+/* The `word` value planes of `count` zigzag bytes in the tuple `planes` (None: a plane of
+ * zeros) as pointers in src: buffers held in views (bit j of *held), planes of zeros at
+ * *zero (allocated here; release_planes frees both). 0, or -1 with an exception set. */
+static int take_planes(PyObject *planes, Py_ssize_t count, int word, const char *who,
+                       Py_buffer *views, const uint8_t **src, int *held, uint8_t **zero) {
+    if (!PyTuple_Check(planes) || PyTuple_GET_SIZE(planes) != word) {
+        PyErr_Format(PyExc_ValueError, "%s: want a tuple of word planes", who);
+        return -1;
+    }
+    for (int j = 0; j < word; j++) {
+        PyObject *plane = PyTuple_GET_ITEM(planes, j);
+        if (plane == Py_None) {
+            if (!*zero && !(*zero = calloc((size_t)count + 1, 1))) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            src[j] = *zero;
+            continue;
+        }
+        if (PyObject_GetBuffer(plane, &views[j], PyBUF_SIMPLE) < 0) return -1;
+        *held |= 1 << j;
+        if (views[j].len != count) {
+            PyErr_Format(PyExc_ValueError, "%s: a plane of the wrong size", who);
+            return -1;
+        }
+        src[j] = views[j].buf;
+    }
+    return 0;
+}
+
+static void release_planes(Py_buffer *views, int held, uint8_t *zero) {
+    for (int j = 0; j < 8; j++)
+        if (held & (1 << j)) PyBuffer_Release(&views[j]);
+    free(zero);
+}
 
 /* rice_scatter(words, unary, remainder, count, k, planes, word): a Rice block applied to
  * `words` (writable) in place: what scatter_add(words, rice_decode(...), unzigzag(planes, ...))
@@ -543,8 +565,7 @@ static PyObject *rice_scatter(PyObject *self, PyObject *args) {
     const uint8_t *src[8];
     uint8_t *zero = NULL;
     int held = 0;
-    if (!(word == 1 || word == 2 || word == 4 || word == 8) || w.len % word ||
-        !PyTuple_Check(planes) || PyTuple_GET_SIZE(planes) != word) {
+    if (!(word == 1 || word == 2 || word == 4 || word == 8) || w.len % word) {
         PyErr_SetString(PyExc_ValueError, "rice_scatter: mismatched arguments");
         goto done;
     }
@@ -557,25 +578,7 @@ static PyObject *rice_scatter(PyObject *self, PyObject *args) {
         corrupt("remainder stream has the wrong length");
         goto done;
     }
-    for (int j = 0; j < word; j++) {
-        PyObject *plane = PyTuple_GET_ITEM(planes, j);
-        src[j] = NULL;
-        if (plane == Py_None) {
-            if (!zero && !(zero = calloc((size_t)count, 1))) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            src[j] = zero;
-            continue;
-        }
-        if (PyObject_GetBuffer(plane, &views[j], PyBUF_SIMPLE) < 0) goto done;
-        held |= 1 << j;
-        if (views[j].len != count) {
-            PyErr_SetString(PyExc_ValueError, "rice_scatter: a plane of the wrong size");
-            goto done;
-        }
-        src[j] = views[j].buf;
-    }
+    if (take_planes(planes, count, word, "rice_scatter", views, src, &held, &zero) < 0) goto done;
     /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
     size_t ulen = (size_t)u.len, bound = ((size_t)count + nwords + 7) / 8;
     if (ulen > bound) ulen = bound;
@@ -592,9 +595,7 @@ static PyObject *rice_scatter(PyObject *self, PyObject *args) {
     if (error) corrupt(error);
     else result = Py_NewRef(Py_None);
 done:
-    for (int j = 0; j < 8; j++)
-        if (held & (1 << j)) PyBuffer_Release(&views[j]);
-    free(zero);
+    release_planes(views, held, zero);
     PyBuffer_Release(&w);
     PyBuffer_Release(&u);
     PyBuffer_Release(&rem);
@@ -680,40 +681,18 @@ static PyObject *unzigzag(PyObject *self, PyObject *args) {
     Py_ssize_t count;
     int word;
     if (!PyArg_ParseTuple(args, "Oni", &planes, &count, &word)) return NULL;
-    if (!(word == 1 || word == 2 || word == 4 || word == 8) || count < 0 ||
-        !PyTuple_Check(planes) || PyTuple_GET_SIZE(planes) != word) {
+    if (!(word == 1 || word == 2 || word == 4 || word == 8) || count < 0) {
         PyErr_SetString(PyExc_ValueError, "unzigzag: want a tuple of word planes");
         return NULL;
     }
     Py_buffer views[8];
     const uint8_t *src[8];
+    uint8_t *zero = NULL;
     int held = 0;
     PyObject *result = NULL;
-    for (int j = 0; j < word; j++) {
-        PyObject *plane = PyTuple_GET_ITEM(planes, j);
-        src[j] = NULL;
-        if (plane == Py_None) continue;
-        if (PyObject_GetBuffer(plane, &views[j], PyBUF_SIMPLE) < 0) goto done;
-        held |= 1 << j;
-        if (views[j].len != count) {
-            PyErr_SetString(PyExc_ValueError, "unzigzag: a plane of the wrong size");
-            goto done;
-        }
-        src[j] = views[j].buf;
-    }
+    if (take_planes(planes, count, word, "unzigzag", views, src, &held, &zero) < 0) goto done;
     result = PyByteArray_FromStringAndSize(NULL, count * word);
     if (!result) goto done;
-    uint8_t *zero = NULL;
-    for (int j = 0; j < word; j++) {
-        if (!src[j]) {
-            if (!zero && !(zero = calloc((size_t)count + 1, 1))) {
-                PyErr_NoMemory();
-                Py_CLEAR(result);
-                goto done;
-            }
-            src[j] = zero;
-        }
-    }
     uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(result);
     Py_BEGIN_ALLOW_THREADS
     switch (word) {
@@ -740,11 +719,8 @@ static PyObject *unzigzag(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    free(zero);
 done:
-    for (int j = 0; j < word; j++) {
-        if (held & (1 << j)) PyBuffer_Release(&views[j]);
-    }
+    release_planes(views, held, zero);
     return result;
 }
 
