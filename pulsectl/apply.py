@@ -772,7 +772,7 @@ class _Chain:
 
     _POLL_S = 0.05  # how soon a waiting block notices ``abandoned``
 
-    def __init__(self, abandoned: threading.Event | None = None) -> None:
+    def __init__(self, abandoned: threading.Event) -> None:
         self._hasher = new_hasher()
         self._next = 0
         self._turn = threading.Condition()
@@ -782,9 +782,9 @@ class _Chain:
     def feed(self, block: int, data: np.ndarray | None) -> None:
         with self._turn:
             while self._next != block:
-                if self._abandoned is not None and self._abandoned.is_set():
+                if self._abandoned.is_set():
                     return  # apply has stopped: the blocks before this one may never run
-                self._turn.wait(self._POLL_S if self._abandoned is not None else None)
+                self._turn.wait(self._POLL_S)
         try:
             if data is not None:
                 self._hasher.update(data)
