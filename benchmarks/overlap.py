@@ -19,7 +19,6 @@ to stdout as a table and to OUT/overlap.json; docs/BENCHMARKS.md quotes them.
 from __future__ import annotations
 
 import argparse
-import compileall
 import json
 import os
 import shutil
@@ -32,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-import pulsectl as pulsectl_package
-from pulsectl.checkpoint import save_safetensors
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import measure  # noqa: E402
+from pulsectl.checkpoint import save_safetensors  # noqa: E402
 
 PACER = r"""
 import sys, time
@@ -111,8 +112,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pulsectl = shutil.which("pulsectl") or sys.exit("pulsectl is not on PATH (pip install -e .)")
 
-    # pulsectl's .pyc files, as an installed tool has them (see measure.byte_compile_pulsectl)
-    compileall.compile_dir(str(Path(pulsectl_package.__file__).parent), quiet=1)
+    measure.byte_compile_pulsectl()  # pulsectl's .pyc files, as an installed tool has them
     a, b = make_pair(args.out, args.size_mb)
     patch = args.out / "p.pulse"
     run([pulsectl, "-q", "diff", str(a), str(b), "-o", str(patch), "-f"])
