@@ -777,6 +777,48 @@ CONTEXT_OF(c2, u16a)
 CONTEXT_OF(c4, u32a)
 CONTEXT_OF(c8, u64a)
 
+/* One word of DENSE_WALK_OF, counted in table H. */
+#define DENSE_STEP(T, I, H)                                                                   \
+    do {                                                                                      \
+        T a_ = w[I], b_ = t[I];                                                               \
+        uint32_t e_ = (uint32_t)((uint64_t)a_ >> shift) & mask;                               \
+        T d_ = (T)(b_ - a_);                                                                  \
+        rank[m] = h0[e_] + h1[e_] + h2[e_] + h3[e_];                                          \
+        H[e_]++;                                                                              \
+        keyof[m] = (uint16_t)e_;                                                              \
+        z[m] = (T)((T)(d_ << 1) ^ (T)((T)0 - (T)(d_ >> (8 * sizeof(T) - 1))));                \
+        m += a_ != b_;                                                                        \
+    } while (0)
+
+/* context_encode's pass over a block with many changes, where a branch per change (most of
+ * them mispredicted: the words between two changes are a random count) costs more than doing
+ * the same work at every word. Each word's rank, key and zigzag move are stored at slot m,
+ * and m moves on only where the words differ, so slot m ends up holding the m-th change.
+ * Returns the number of changes. */
+#define DENSE_WALK_OF(NAME, T)                                                                \
+    static size_t NAME##_dense_walk(const uint8_t *block, const uint8_t *target,              \
+                                    size_t nwords, int shift, uint32_t mask, int64_t *rank,   \
+                                    uint16_t *keyof, uint8_t *moves, int64_t *h,              \
+                                    size_t nkeys) {                                           \
+        const T *w = (const T *)block, *t = (const T *)target;                                \
+        T *z = (T *)moves;                                                                    \
+        int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
+        size_t m = 0, i = 0;                                                                  \
+        for (; i + 4 <= nwords; i += 4) {                                                     \
+            DENSE_STEP(T, i, h0);                                                             \
+            DENSE_STEP(T, i + 1, h1);                                                         \
+            DENSE_STEP(T, i + 2, h2);                                                         \
+            DENSE_STEP(T, i + 3, h3);                                                         \
+        }                                                                                     \
+        for (; i < nwords; i++) DENSE_STEP(T, i, h0);                                         \
+        return m;                                                                             \
+    }
+
+DENSE_WALK_OF(c1, uint8_t)
+DENSE_WALK_OF(c2, u16a)
+DENSE_WALK_OF(c4, u32a)
+DENSE_WALK_OF(c8, u64a)
+
 static int context_args(Py_buffer *old, int word, int shift, int bits) {
     if (!(word == 1 || word == 2 || word == 4 || word == 8) || old->len % word || bits < 1 ||
         bits > 16 || shift < 0 || shift + bits > 8 * word) {
@@ -908,6 +950,405 @@ done:
     PyBuffer_Release(&old);
     PyBuffer_Release(&k);
     PyBuffer_Release(&r);
+    return result;
+}
+
+/* A word of `word` bytes at index i of a block, as an unsigned integer (little-endian host). */
+static inline uint64_t load_word(const uint8_t *block, size_t i, int word) {
+    switch (word) {
+    case 1: return block[i];
+    case 2: { uint16_t v; memcpy(&v, block + 2 * i, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, block + 4 * i, 4); return v; }
+    default: { uint64_t v; memcpy(&v, block + 8 * i, 8); return v; }
+    }
+}
+
+/* out[j] = sum over the gaps g[0..n) of g >> (from + j), for j < count <= 5. */
+static void gap_quotient_sums(const uint64_t *g, size_t n, int from, int count, uint64_t *out) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t x = g[i] >> from;
+        s0 += x;
+        s1 += x >> 1;
+        s2 += x >> 2;
+        s3 += x >> 3;
+        s4 += x >> 4;
+    }
+    uint64_t part[5] = {s0, s1, s2, s3, s4};
+    for (int j = 0; j < count; j++) out[j] = part[j];
+}
+
+/* The Rice parameter with the fewest bits for the gaps g[0..n) (n > 0; the smallest k on a
+ * tie), found as rice_encode finds it (see there why a window search is exact); *quotients is
+ * then the sum of their quotients. `total` is the sum of the gaps. */
+static int best_rice_of(const uint64_t *g, size_t n, uint64_t total, uint64_t *quotients) {
+    int guess = bit_length(total / n);
+    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > MAX_RICE_K ? MAX_RICE_K : guess + 2;
+    if (lo > hi) lo = hi;
+    uint64_t quot[MAX_RICE_K + 1];
+    int have_lo = lo, have_hi = hi, k;
+    gap_quotient_sums(g, n, lo, hi - lo + 1, quot + lo);
+    for (;;) {
+        if (lo < have_lo) gap_quotient_sums(g, n, lo, 1, quot + lo), have_lo = lo;
+        if (hi > have_hi) gap_quotient_sums(g, n, hi, 1, quot + hi), have_hi = hi;
+        k = lo;
+        for (int kk = lo + 1; kk <= hi; kk++) {
+            if (quot[kk] + (uint64_t)n * (kk + 1) < quot[k] + (uint64_t)n * (k + 1)) k = kk;
+        }
+        if (k == lo && lo > 0) lo--;
+        else if (k == hi && hi < MAX_RICE_K) hi++;
+        else break;
+    }
+    *quotients = quot[k];
+    return k;
+}
+
+/* context_encode's arrays of each change (rank, gap, key, move), kept between calls as
+ * list_changes keeps its own. */
+static __thread uint8_t *ctx_scratch = NULL;
+static __thread size_t ctx_scratch_cap = 0;
+
+/* From this share of changed words (1 in DENSE_FROM) context_encode walks the block with
+ * DENSE_WALK_OF's branch-free loop. */
+#define DENSE_FROM 12
+
+/* context_encode(old, new, word, shift, bits, positions) -> (table, unary, remainder, planes):
+ * the streams of a context block (codec 4) for the changed words at `positions` (sorted
+ * int64, all the words where old and new differ): the context table before compression
+ * (contexts x 7 bytes: u16 keys ascending, u8 rice_k, u32 changes), the unary and remainder
+ * streams of the gaps, and the zigzag value planes of the moves in context order (plane 0
+ * first, `count` bytes each). The bytes of context.encode's numpy path. */
+static PyObject *context_encode(PyObject *self, PyObject *args) {
+    Py_buffer old, nw, p;
+    int word, shift, bits;
+    if (!PyArg_ParseTuple(args, "y*y*iiiy*", &old, &nw, &word, &shift, &bits, &p)) return NULL;
+    PyObject *result = NULL, *table = NULL, *unary = NULL, *remainder = NULL, *planes = NULL;
+    int64_t *rank = NULL, *tables = NULL, *last = NULL;
+    uint16_t *keyof = NULL;
+    uint8_t *moves = NULL, *ks = NULL;
+    uint64_t *gaps = NULL, *start = NULL, *fill = NULL, *total = NULL, *quots = NULL;
+    if (context_args(&old, word, shift, bits) < 0) goto done;
+    size_t nwords = (size_t)old.len / (size_t)word, n = (size_t)p.len / 8, nkeys = (size_t)1 << bits;
+    if (nw.len != old.len || p.len % 8 || n == 0 || n > nwords) {
+        PyErr_SetString(PyExc_ValueError, "context_encode: mismatched blocks or positions");
+        goto done;
+    }
+    const int64_t *pos = p.buf;
+    /* The dense walk stores every word at slot m before it knows whether m moves on: one
+     * slot more than there are changes. */
+    if (reserve((void **)&ctx_scratch, &ctx_scratch_cap, (n + 1) * (18 + (size_t)word)) < 0)
+        goto done;
+    rank = (int64_t *)ctx_scratch;
+    gaps = (uint64_t *)(ctx_scratch + (n + 1) * 8);
+    keyof = (uint16_t *)(ctx_scratch + (n + 1) * 16);
+    moves = ctx_scratch + (n + 1) * 18;
+    tables = calloc(4 * nkeys, 8);
+    last = malloc(nkeys * 8);
+    start = calloc(nkeys + 1, 8);
+    fill = malloc(nkeys * 8);
+    total = calloc(nkeys, 8);
+    quots = calloc(nkeys, 8);
+    ks = calloc(nkeys, 1);
+    planes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * (size_t)word));
+    if (!tables || !last || !start || !fill || !total ||
+        !quots || !ks || !planes) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    uint8_t *pl = (uint8_t *)PyBytes_AS_STRING(planes);
+    uint32_t mask = (uint32_t)((1u << bits) - 1);
+    const char *bad = NULL;
+    size_t contexts = 0;
+    uint64_t unary_bits = 0, remainder_bits = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t before = -1;
+    for (size_t j = 0; j < n; j++) {
+        if (pos[j] <= before || (size_t)pos[j] >= nwords) bad = "positions must increase within the block";
+        before = pos[j];
+    }
+    if (!bad && n * DENSE_FROM >= nwords) {
+        size_t found;
+        switch (word) {
+        case 1: found = c1_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys); break;
+        case 2: found = c2_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys); break;
+        case 4: found = c4_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys); break;
+        default: found = c8_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys);
+        }
+        /* The walk codes the words that differ: they must be the positions given. */
+        if (found != n) bad = "positions are not the changed words";
+    } else if (!bad) {
+        switch (word) {
+        case 1: c1_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        case 2: c2_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        case 4: c4_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        default: c8_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
+        }
+        uint64_t wmask = word == 8 ? ~0ull : (1ull << (8 * word)) - 1;
+        int top = 8 * word;
+        for (size_t j = 0; j < n; j++) {
+            uint64_t a = load_word(old.buf, (size_t)pos[j], word);
+            uint64_t d = (load_word(nw.buf, (size_t)pos[j], word) - a) & wmask;
+            int64_t sd = (int64_t)(d << (64 - top)) >> (64 - top);
+            uint64_t z = (((uint64_t)sd << 1) ^ (uint64_t)(sd >> 63)) & wmask;
+            keyof[j] = (uint16_t)((uint32_t)(a >> shift) & mask);
+            memcpy(moves + (size_t)word * j, &z, (size_t)word); /* little-endian host */
+        }
+    }
+    if (!bad) {
+        for (size_t j = 0; j < n; j++) start[keyof[j] + 1]++;
+        for (size_t e = 0; e < nkeys; e++) {
+            contexts += start[e + 1] != 0;
+            start[e + 1] += start[e];
+            fill[e] = start[e];
+            last[e] = -1;
+        }
+        /* Changes in context order (a stable counting sort): each one's gap to the previous
+         * change of its context, counted in that context's words, and its zigzag bytes. */
+        for (size_t j = 0; j < n; j++) {
+            uint32_t e = keyof[j];
+            uint64_t s = fill[e]++;
+            uint64_t g = (uint64_t)(rank[j] - last[e] - 1);
+            last[e] = rank[j];
+            gaps[s] = g;
+            total[e] += g;
+            if (word == 2) {
+                pl[s] = moves[2 * j];
+                pl[n + s] = moves[2 * j + 1];
+            } else {
+                for (int b = 0; b < word; b++) pl[(size_t)b * n + s] = moves[(size_t)word * j + b];
+            }
+        }
+        for (size_t e = 0; e < nkeys; e++) {
+            size_t m = start[e + 1] - start[e];
+            if (!m) continue;
+            ks[e] = (uint8_t)best_rice_of(gaps + start[e], m, total[e], &quots[e]);
+            unary_bits += quots[e] + m;
+            remainder_bits += (uint64_t)m * ks[e];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "context_encode: %s", bad);
+        goto done;
+    }
+    table = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(contexts * 7));
+    unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((unary_bits + 7) / 8));
+    remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((remainder_bits + 7) / 8));
+    if (!table || !unary || !remainder) goto done;
+    uint8_t *tb = (uint8_t *)PyBytes_AS_STRING(table);
+    uint8_t *ubuf = (uint8_t *)PyBytes_AS_STRING(unary);
+    size_t ubytes = (size_t)PyBytes_GET_SIZE(unary);
+    BitWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    size_t c = 0;
+    /* The unary stream as in rice_encode: all ones, then the zero that ends each code
+     * cleared, 64 bits at a time; `end` is the bit index of the latest code's zero. */
+    memset(ubuf, 0xFF, ubytes);
+    uint64_t end = ~0ull, word_at = 0, zeros = 0;
+    for (size_t e = 0; e < nkeys; e++) {
+        size_t lo = start[e], hi = start[e + 1];
+        if (lo == hi) continue;
+        uint32_t m = (uint32_t)(hi - lo);
+        tb[2 * c] = (uint8_t)e;
+        tb[2 * c + 1] = (uint8_t)(e >> 8);
+        tb[2 * contexts + c] = ks[e];
+        for (int b = 0; b < 4; b++) tb[3 * contexts + 4 * c + b] = (uint8_t)(m >> (8 * b));
+        c++;
+        int k = ks[e];
+        uint64_t low = k ? (1ull << k) - 1 : 0;
+        for (size_t s = lo; s < hi; s++) {
+            end += (gaps[s] >> k) + 1;
+            if ((end >> 6) != word_at) {
+                if (zeros) store_zeros(ubuf, ubytes, word_at, zeros);
+                word_at = end >> 6;
+                zeros = 0;
+            }
+            zeros |= 1ull << (63 - (end & 63));
+            if (k) put_bits(&r, gaps[s] & low, k);
+        }
+    }
+    if (zeros) store_zeros(ubuf, ubytes, word_at, zeros);
+    if ((end + 1) & 7) ubuf[ubytes - 1] &= (uint8_t)(0xFF00u >> ((end + 1) & 7));
+    flush_bits(&r);
+    Py_END_ALLOW_THREADS
+    result = PyTuple_Pack(4, table, unary, remainder, planes);
+done:
+    Py_XDECREF(table);
+    Py_XDECREF(unary);
+    Py_XDECREF(remainder);
+    Py_XDECREF(planes);
+    free(tables);
+    free(last);
+    free(start);
+    free(fill);
+    free(total);
+    free(quots);
+    free(ks);
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&nw);
+    PyBuffer_Release(&p);
+    return result;
+}
+
+/* The walk of context_scatter for one word type: context_positions' walk, each change's word
+ * moved at once by the zigzag value its planes hold. */
+#define CONTEXT_SCATTER_OF(NAME, T)                                                           \
+    static void NAME##_walk(uint8_t *block, size_t nwords, int shift, uint32_t mask,          \
+                            const int64_t *rank, int64_t *cursor, const int64_t *stop,        \
+                            int64_t *want, int64_t *seen, const uint8_t *const *src) {        \
+        T *w = (T *)block;                                                                    \
+        for (size_t i = 0; i < nwords; i++) {                                                 \
+            T v = w[i];                                                                       \
+            uint32_t e = (uint32_t)((uint64_t)v >> shift) & mask;                             \
+            int64_t r = seen[e];                                                              \
+            seen[e] = r + 1;                                                                  \
+            if (r != want[e]) continue;                                                       \
+            int64_t j = cursor[e]++;                                                          \
+            want[e] = j + 1 < stop[e] ? rank[j + 1] : -1;                                     \
+            T z = 0;                                                                          \
+            for (size_t b = 0; b < sizeof(T); b++) z |= (T)((T)src[b][j] << (8 * b));         \
+            w[i] = (T)(v + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                        \
+        }                                                                                     \
+    }
+
+CONTEXT_SCATTER_OF(s1, uint8_t)
+CONTEXT_SCATTER_OF(s2, u16a)
+CONTEXT_SCATTER_OF(s4, u32a)
+CONTEXT_SCATTER_OF(s8, u64a)
+
+/* context_scatter(words, word, shift, bits, keys, ks, counts, unary, remainder, planes): a
+ * context block applied to `words` (writable, the base block) in place: what
+ * scatter_add(words, context_positions(...), unzigzag(planes, ...)) does, without the arrays
+ * between. keys, ks and counts are the checked context table (int64 each); damaged streams
+ * raise CorruptPatchError as context.decode_moves does, and leave `words` partly patched. */
+static PyObject *context_scatter(PyObject *self, PyObject *args) {
+    Py_buffer w, kb, kk, cb, u, rem;
+    int word, shift, bits;
+    PyObject *planes;
+    if (!PyArg_ParseTuple(args, "w*iiiy*y*y*y*y*O", &w, &word, &shift, &bits, &kb, &kk, &cb, &u,
+                          &rem, &planes))
+        return NULL;
+    PyObject *result = NULL;
+    Py_buffer views[8];
+    const uint8_t *src[8];
+    uint8_t *zero = NULL;
+    int held = 0;
+    int64_t *rank = NULL, *cursor = NULL, *stop = NULL, *seen = NULL, *want = NULL;
+    if (context_args(&w, word, shift, bits) < 0) goto done;
+    size_t nwords = (size_t)w.len / (size_t)word, nctx = (size_t)kb.len / 8,
+           nkeys = (size_t)1 << bits;
+    const int64_t *key = kb.buf, *kof = kk.buf, *cnt = cb.buf;
+    if (kb.len % 8 || kk.len != kb.len || cb.len != kb.len || nctx == 0) {
+        PyErr_SetString(PyExc_ValueError, "context_scatter: mismatched context table");
+        goto done;
+    }
+    uint64_t count = 0, rbits = 0;
+    for (size_t c = 0; c < nctx; c++) {
+        if (key[c] < 0 || (size_t)key[c] >= nkeys || (c && key[c] <= key[c - 1]) || cnt[c] <= 0 ||
+            kof[c] < 0 || kof[c] > MAX_RICE_K) {
+            corrupt("context block table is damaged");
+            goto done;
+        }
+        count += (uint64_t)cnt[c];
+        rbits += (uint64_t)cnt[c] * (uint64_t)kof[c];
+    }
+    if (count > nwords) {
+        corrupt("context block table is damaged");
+        goto done;
+    }
+    if ((uint64_t)rem.len != (rbits + 7) / 8) {
+        corrupt("remainder stream has the wrong length");
+        goto done;
+    }
+    if (take_planes(planes, (Py_ssize_t)count, word, "context_scatter", views, src, &held, &zero) < 0)
+        goto done;
+    rank = malloc(count * 8);
+    cursor = malloc(nkeys * 8);
+    stop = malloc(nkeys * 8);
+    seen = calloc(nkeys, 8);
+    want = malloc(nkeys * 8);
+    if (!rank || !cursor || !stop || !seen || !want) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
+    size_t ulen = (size_t)u.len, bound = ((size_t)count + nwords + 7) / 8;
+    if (ulen > bound) ulen = bound;
+    const uint8_t *ub = u.buf, *uend = ub + ulen, *rb = rem.buf, *rend = rb + rem.len;
+    const char *error = NULL;
+    uint32_t mask = (uint32_t)((1u << bits) - 1);
+    Py_BEGIN_ALLOW_THREADS
+    /* Each change's rank among its context's words, from the unary and remainder streams. */
+    size_t found = 0, c = 0;
+    uint64_t in_ctx = 0, bit = 0;
+    int k = (int)kof[0];
+    int64_t at = -1, end_before = -1;
+    for (size_t i = 0; i * 8 < ulen && found < count && !error; i++) {
+        uint64_t zeros = ~load_be64(ub + 8 * i, uend, 0xFF);
+        while (zeros && found < count) {
+            int lead = __builtin_clzll(zeros);
+            zeros ^= 1ull << (63 - lead);
+            int64_t e = (int64_t)(64 * i + (size_t)lead);
+            uint64_t q = (uint64_t)(e - end_before - 1), r = 0;
+            end_before = e;
+            if (k) {
+                r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);
+                bit += (uint64_t)k;
+            }
+            if (q > ((uint64_t)nwords >> k)) {
+                error = "context block points past the end of a context";
+                break;
+            }
+            at += (int64_t)((q << k) + r + 1);
+            if (at >= (int64_t)nwords) {
+                error = "context block points past the end of a context";
+                break;
+            }
+            rank[found++] = at;
+            if (++in_ctx == (uint64_t)cnt[c] && found < count) {
+                c++;
+                in_ctx = 0;
+                k = (int)kof[c];
+                at = -1;
+            }
+        }
+    }
+    if (!error && found < count) error = "unary stream is too short";
+    if (!error) {
+        for (size_t e = 0; e < nkeys; e++) cursor[e] = stop[e] = 0, want[e] = -1;
+        int64_t first = 0;
+        for (size_t j = 0; j < nctx; j++) {
+            cursor[key[j]] = first;
+            stop[key[j]] = first + cnt[j];
+            want[key[j]] = rank[first];
+            first += cnt[j];
+        }
+        switch (word) {
+        case 1: s1_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src); break;
+        case 2: s2_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src); break;
+        case 4: s4_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src); break;
+        default: s8_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src);
+        }
+        for (size_t e = 0; e < nkeys && !error; e++) {
+            if (cursor[e] < stop[e]) error = "context block points past the end of a context";
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (error) corrupt(error);
+    else result = Py_NewRef(Py_None);
+done:
+    release_planes(views, held, zero);
+    free(rank);
+    free(cursor);
+    free(stop);
+    free(seen);
+    free(want);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&kk);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&u);
+    PyBuffer_Release(&rem);
     return result;
 }
 
@@ -1135,6 +1576,12 @@ static PyMethodDef methods[] = {
      "context_ranks(old, word, shift, bits, positions) -> (ranks, sizes) for codec 4."},
     {"context_positions", context_positions, METH_VARARGS,
      "context_positions(old, word, shift, bits, keys, ranks) -> positions for codec 4."},
+    {"context_encode", context_encode, METH_VARARGS,
+     "context_encode(old, new, word, shift, bits, positions) -> (table, unary, remainder, "
+     "planes): the raw streams of a codec 4 block."},
+    {"context_scatter", context_scatter, METH_VARARGS,
+     "context_scatter(words, word, shift, bits, keys, ks, counts, unary, remainder, planes): a "
+     "codec 4 block applied to words in place."},
     {"map_file", map_file, METH_VARARGS,
      "map_file(fd, offset, length, label) -> a read-only buffer over that range of the file, "
      "or None where it cannot be mapped; a SIGBUS in it ends the process naming `label`."},

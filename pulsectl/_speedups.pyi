@@ -30,3 +30,19 @@ def rice_scatter(
     word: int,
     /,
 ) -> None: ...
+def context_encode(
+    old: Buffer, new: Buffer, word: int, shift: int, bits: int, positions: Buffer, /
+) -> tuple[bytes, bytes, bytes, bytes]: ...
+def context_scatter(
+    words: Buffer,
+    word: int,
+    shift: int,
+    bits: int,
+    keys: Buffer,
+    ks: Buffer,
+    counts: Buffer,
+    unary: Buffer,
+    remainder: Buffer,
+    planes: tuple[Buffer | None, ...],
+    /,
+) -> None: ...

@@ -44,7 +44,10 @@ MAX_BLOCK_BYTES = 256 * 1024 * 1024
 DEFAULT_BLOCK_BYTES = 8 * 1024 * 1024
 BLOCK_PAYLOAD_SLACK = 1024 * 1024  # a payload may exceed block_bytes by at most this much
 MAX_JSON_BYTES = 256 * 1024 * 1024  # decompressed header or trailer
-JSON_ZSTD_LEVEL = 19
+# The header and trailer JSON. Level 19 took 75 ms on the 94 KB header of a 290-tensor
+# checkpoint, a tenth of a sparse 1 GB diff; level 15 takes 16 ms for 1% more bytes (9,393
+# against 9,305; level 9: 11,692 bytes).
+JSON_ZSTD_LEVEL = 15
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -45,6 +45,11 @@ LEGACY = [
     ("codec3/dir.pulse", "dir_base", "dir_target"),
     # written before value planes were compressed with the literal-oriented zstd parameters
     ("planes-level3/single.pulse", "single_base.safetensors", "single_target.safetensors"),
+    # written while the header and trailer JSON were compressed at zstd level 19, and the
+    # value planes of --level max's context blocks at level 19 too
+    ("json19/single.pulse", "single_base.safetensors", "single_target.safetensors"),
+    ("json19/single_max.pulse", "single_base.safetensors", "single_target.safetensors"),
+    ("json19/dir.pulse", "dir_base", "dir_target"),
 ]
 
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pulsectl.codecs import _fast, decode_block, encode_block, rice
+from pulsectl.codecs import _fast, context, decode_block, encode_block, rice
 from pulsectl.codecs._bits import UINT_OF_WORD, add_moves, change_planes, unpack_moves
 from pulsectl.codecs.delta import find_changes
 from pulsectl.errors import CorruptPatchError
@@ -301,3 +301,111 @@ def test_context_positions_refuses_ranks_past_a_context():
         NATIVE.context_positions(
             old, 2, 7, 8, np.array([1, 0], dtype=np.int64), np.array([0, 0], dtype=np.int64)
         )
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(block_pairs(), st.booleans())
+def test_context_payloads_agree(pair: tuple[np.ndarray, np.ndarray, int], few_keys: bool):
+    """context_encode against the numpy encoder, payload byte for byte, whichever codec
+    encode_block would pick; blocks over 1/12 changed take the compiled branch-free walk, the
+    others the walk that stops at each change. context_scatter then applies the payload in
+    place, as numpy's positions and moves do."""
+    old, new, word = pair
+    if few_keys:
+        top = np.asarray(0x7 << (8 * word - 4), dtype=np.uint64).astype(UINT_OF_WORD[word])
+        old = old.copy()
+        old.view(UINT_OF_WORD[word])[:] &= ~top
+        new = new.copy()
+        new.view(UINT_OF_WORD[word])[:] &= ~top
+    positions = find_changes(old, new, word)
+    if positions.size == 0:
+        return
+    key = CONTEXT_KEYS[word]
+    fast = context.encode(old, new, word, positions, key, 9)
+    assert fast == context._encode_numpy(old, new, word, positions, key, 9)
+    patched = old.copy()
+    assert context.add_in_place(patched, fast, word)
+    with pure_numpy():
+        untouched = old.copy()
+        assert not context.add_in_place(untouched, fast, word)  # numpy takes the other road
+        at, moves = context.decode_moves(old, fast, word)
+    assert untouched.tobytes() == old.tobytes()
+    assert patched.tobytes() == _added(old, at, moves, word).tobytes() == new.tobytes()
+
+
+@needs_native
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("fraction", [0.01, 0.3, 1.0])
+def test_context_codec_on_every_width_and_density(word: int, fraction: float):
+    """Blocks of real size on both sides of the dense walk's threshold, every word width, with
+    moves of every size (one unit, large, both extremes) and a change in the last word."""
+    rng = np.random.default_rng(int(fraction * 100) + word)
+    utype = UINT_OF_WORD[word]
+    nwords = 50_000
+    old = rng.integers(0, 256, nwords * word, dtype=np.uint8)
+    old.view(utype)[:] >>= np.asarray(2, dtype=utype)  # fewer keys, as in real weights
+    new = old.copy()
+    at = np.flatnonzero(rng.random(nwords) < fraction)
+    at = np.union1d(at, [nwords - 1]).astype(np.int64)
+    moves = np.where(rng.random(at.size) < 0.5, 1, -1).astype(np.int64).astype(utype)
+    big = rng.random(at.size) < 0.05
+    moves[big] = rng.integers(1, 2 ** min(8 * word, 63), big.sum(), dtype=np.uint64).astype(utype)
+    moves[:2] = np.array([2 ** (8 * word - 1), 2 ** (8 * word - 1) - 1], dtype=np.uint64).astype(
+        utype
+    )
+    new.view(utype)[at] += moves
+    positions = find_changes(old, new, word)
+    key = CONTEXT_KEYS[word]
+    fast = context.encode(old, new, word, positions, key, 3)
+    assert fast == context._encode_numpy(old, new, word, positions, key, 3)
+    for restored in both(lambda: context.decode(old, fast, word)):
+        assert restored.tobytes() == new.tobytes()
+
+
+@needs_native
+def test_context_encode_refuses_positions_that_are_not_the_changes():
+    old = np.zeros(2 * 1000, dtype=np.uint8)
+    new = old.copy()
+    new[::2] = 1  # every word changes: the dense walk, which finds the changes itself
+    with pytest.raises(ValueError, match="not the changed words"):
+        NATIVE.context_encode(old, new, 2, 7, 8, np.arange(0, 1000, 2, dtype=np.int64))
+    with pytest.raises(ValueError, match="increase"):
+        NATIVE.context_encode(old, new, 2, 7, 8, np.array([5, 3], dtype=np.int64))
+
+
+@needs_native
+def test_context_scatter_refuses_damaged_streams():
+    """The in-place decoder refuses what the numpy decoder refuses (CorruptPatchError)."""
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 256, 2 * 4000, dtype=np.uint8)
+    new = old.copy()
+    new.view(np.uint16)[rng.random(4000) < 0.1] += np.uint16(1)
+    payload = context.encode(old, new, 2, find_changes(old, new, 2), CONTEXT_KEYS[2], 3)
+    view, count, shift, bits, keys, ks, counts, unary, remainder, _ = context._parse(
+        payload, 2, 4000
+    )
+    planes = (bytes(count), None)
+    cases = {
+        "short unary": (keys, ks, counts, bytes(unary)[:2], remainder),
+        "remainder length": (keys, ks, counts, unary, bytes(remainder) + b"\0"),
+        "gaps too long": (keys, ks, counts, b"\xff" * len(unary) + b"\x00" * 8, remainder),
+        "keys out of order": (keys[::-1].copy(), ks, counts, unary, remainder),
+        "k too large": (keys, ks + 40, counts, unary, remainder),
+    }
+    for name, (k, kk, c, u, r) in cases.items():
+        block = old.copy()
+        with pytest.raises(CorruptPatchError):
+            NATIVE.context_scatter(block, 2, shift, bits, k, kk, c, u, r, planes)
+            pytest.fail(name)
+    # 32 words, all with key 0; gaps 3 and 30 (k = 0) give ranks 3 and 34: past the context.
+    zeros = np.zeros(64, dtype=np.uint8)
+    one = np.zeros(1, dtype=np.int64)
+    bits_ = "1110" + "1" * 30 + "0"
+    unary_ = int(bits_.ljust(40, "0"), 2).to_bytes(5, "big")
+    args = (np.zeros(1, np.int64), one, np.array([2], np.int64), unary_, b"", (bytes(2), None))
+    with pytest.raises(CorruptPatchError, match="past the end of a context"):
+        NATIVE.context_scatter(zeros, 2, 7, 8, *args)
+    ok = "1110" + "1" * 27 + "0"  # gaps 3 and 27: ranks 3 and 31, the last word
+    args = (args[0], one, args[2], int(ok.ljust(40, "0"), 2).to_bytes(5, "big"), b"", args[5])
+    NATIVE.context_scatter(zeros, 2, 7, 8, *args)

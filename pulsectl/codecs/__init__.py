@@ -75,21 +75,32 @@ def encode_block(
     # them at a fast zstd level saves half of the encoding time and rarely changes the choice.
     probe = min(level, _PROBE_LEVEL) if key is not None else level
     streams = rice.rice_streams(positions)
-    values = change_planes(old, new, positions, word, probe, raw_planes)  # codecs 3 and 5
-    best = EncodedBlock(
-        CODEC_RICE,
-        rice.encode_moves(positions, None, word, probe, values=values, streams=streams),
-        positions.size,
-    )
-    if not _rice_fits(positions, streams[0]):
-        # Gaps far from geometric (runs, rows, strides): codec 3's zstd planes can find them.
-        payload = delta.encode_moves(positions, None, word, probe, values=values)
-        if len(payload) < len(best.payload):
-            best = EncodedBlock(CODEC_DELTA, payload, positions.size)
+    fits = _rice_fits(positions, streams[0])
+    best = None
+    context_block = None
     if key is not None:
         payload = context.encode(old, new, word, positions, key, level)
-        if len(payload) < len(best.payload):
-            best = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
+        context_block = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
+        # Codec 4 stores the moves of codec 5 in another order, with planes compressed alike.
+        # When its positions take no more bytes than codec 5's gaps do (nearly always: a
+        # word's exponent tells how likely it is to change), codec 5 would only lose: it is
+        # not built, which saves a third of the encoding time of `--level max`.
+        if fits and context.position_bytes(payload) <= len(streams[1]) + len(streams[2]):
+            best = context_block
+    if best is None:
+        values = change_planes(old, new, positions, word, probe, raw_planes)  # codecs 3 and 5
+        best = EncodedBlock(
+            CODEC_RICE,
+            rice.encode_moves(positions, None, word, probe, values=values, streams=streams),
+            positions.size,
+        )
+        if not fits:
+            # Gaps far from geometric (runs, rows, strides): codec 3's zstd planes can find them.
+            payload = delta.encode_moves(positions, None, word, probe, values=values)
+            if len(payload) < len(best.payload):
+                best = EncodedBlock(CODEC_DELTA, payload, positions.size)
+        if context_block is not None and len(context_block.payload) < len(best.payload):
+            best = context_block
     if positions.size > _DENSE_FRACTION * nwords and _raw_might_win(new, len(best.payload)):
         # Changed words are mostly random mantissa bits: a high zstd level buys nothing on them
         # and costs seconds per block, so the raw alternative is probed at a fast level.
@@ -168,9 +179,14 @@ def decode_moves(
 
 def patch_in_place(codec: int, payload: bytes, old: np.ndarray, word: int) -> bool:
     """Apply a delta block to ``old`` (uint8, writable) in place where a compiled loop does it
-    in one pass (codec 5, the default level's); False, ``old`` untouched, otherwise: then use
-    ``decode_moves`` or ``decode_block``. On a damaged payload ``old`` may be partly patched."""
-    return codec == CODEC_RICE and rice.add_in_place(old, payload, word)
+    in one pass (codec 5, the default level's, and codec 4, ``--level max``'s); False, ``old``
+    untouched, otherwise: then use ``decode_moves`` or ``decode_block``. On a damaged payload
+    ``old`` may be partly patched."""
+    if codec == CODEC_RICE:
+        return rice.add_in_place(old, payload, word)
+    if codec == CODEC_CONTEXT:
+        return context.add_in_place(old, payload, word)
+    return False
 
 
 def decode_block(

@@ -177,10 +177,10 @@ def change_planes(
         raw = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
     count = positions.size
     planes = [memoryview(raw)[p * count : (p + 1) * count] for p in range(word)]
-    return [_compress_plane(plane, level) for plane in planes]
+    return [compress_plane(plane, level) for plane in planes]
 
 
-def _compress_plane(plane: memoryview, level: int) -> bytes:
+def compress_plane(plane: memoryview, level: int) -> bytes:
     """b"" for an all-zero plane, else one zstd frame."""
     return _zstd.compress_plane(plane, level) if np.frombuffer(plane, np.uint8).any() else b""
 

@@ -28,6 +28,8 @@ from pulsectl.codecs._bits import (
     MAX_RICE_K,
     add_moves,
     best_rice,
+    compress_plane,
+    join_planes,
     pack_bits,
     pack_moves,
     pack_unary,
@@ -35,8 +37,15 @@ from pulsectl.codecs._bits import (
     unpack_bits,
     unpack_moves,
     unpack_unary,
+    value_plane_bytes,
 )
 from pulsectl.errors import CorruptPatchError
+
+# The value planes are compressed with the default level's literal-oriented settings, not at
+# the level of `--level max` (19). Level 19 made them 3-7% smaller (2-5% of the whole patch) at
+# 10-60 times the time: on the 1 GB benchmark pairs `--level max` took 4-67 s with it, 1.2-7.3 s
+# with these settings, patches 2.7-7% larger, all within the issue's bounds (#3).
+PLANE_LEVEL = _zstd.PLANE_FAST_LEVEL
 
 _HEAD = struct.Struct("<IBBBBHH")
 _CTX_BYTES = 7  # per context: u16 key, u8 rice_k, u32 changes (stored column by column)
@@ -72,6 +81,37 @@ def encode(
     level: int,
 ) -> bytes:
     """Payload for the changed words at ``positions`` (sorted, non-empty)."""
+    fast = _fast.native if old.flags.c_contiguous and new.flags.c_contiguous else None
+    if fast is not None:
+        raw_table, unary, remainder, raw_planes = fast.context_encode(
+            old, new, word, key[0], key[1], positions.astype(np.int64, copy=False)
+        )
+        table = _zstd.compress(raw_table, level)
+        count = positions.size
+        planes = [memoryview(raw_planes)[p * count : (p + 1) * count] for p in range(word)]
+        parts = [
+            _HEAD.pack(count, word, key[0], key[1], 0, len(raw_table) // _CTX_BYTES, 0),
+            struct.pack("<I", len(table)),
+            table,
+            struct.pack("<I", len(unary)),
+            unary,
+            struct.pack("<I", len(remainder)),
+            remainder,
+            join_planes([compress_plane(plane, min(level, PLANE_LEVEL)) for plane in planes]),
+        ]
+        return b"".join(parts)
+    return _encode_numpy(old, new, word, positions, key, level)
+
+
+def _encode_numpy(
+    old: np.ndarray,
+    new: np.ndarray,
+    word: int,
+    positions: np.ndarray,
+    key: tuple[int, int],
+    level: int,
+) -> bytes:
+    """``encode`` without the compiled loops (the reference its C path is tested against)."""
     fast = _fast.native if old.flags.c_contiguous else None
     found = None  # each change's rank, in position order, when the compiled loop finds them
     if fast is not None:
@@ -117,26 +157,56 @@ def encode(
         unary,
         struct.pack("<I", len(remainder)),
         remainder,
-        pack_moves(moved, word, level),
+        pack_moves(moved, word, min(level, PLANE_LEVEL)),
     ]
     return b"".join(parts)
 
 
+def position_bytes(payload: bytes) -> int:
+    """Bytes of a context payload before its value planes: header, table and gap streams."""
+    view = memoryview(payload)
+    offset = _HEAD.size
+    for _ in range(3):  # the context table, the unary and the remainder streams
+        _, offset = take_sized(view, offset)
+    return offset
+
+
 def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
     """Rebuild the new block (uint8) from the base block and a context-delta payload."""
-    positions, moved = decode_moves(old, payload, word)
     out = old.copy()
-    add_moves(out, positions, moved, word)
+    if not add_in_place(out, payload, word):
+        positions, moved = decode_moves(old, payload, word)
+        add_moves(out, positions, moved, word)
     return out
 
 
-def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray, np.ndarray]:
-    """The positions (found with the base's keys) and moves of a context-delta payload."""
+def add_in_place(block: np.ndarray, payload: bytes, word: int) -> bool:
+    """Apply a context payload to ``block`` (uint8, writable: the base block) in place with the
+    compiled loop, which finds each change's position and adds its move in one pass over the
+    block. False, ``block`` untouched, where that loop is not available: use ``decode_moves``.
+    On a damaged payload ``block`` may be partly patched."""
+    fast = _fast.native
+    if fast is None or not block.flags.c_contiguous or not block.flags.writeable:
+        return False
+    view, count, shift, bits, present, ks, counts, unary, remainder, offset = _parse(
+        payload, word, block.size // word
+    )
+    planes = value_plane_bytes(view, offset, count, word)
+    fast.context_scatter(block, word, shift, bits, present, ks, counts, unary, remainder, planes)
+    return True
+
+
+def _parse(
+    payload: bytes, word: int, nwords: int
+) -> tuple[
+    memoryview, int, int, int, np.ndarray, np.ndarray, np.ndarray, memoryview, memoryview, int
+]:
+    """A context payload's parts, its table checked: (view, count, shift, bits, keys, ks,
+    counts (int64 each), unary, remainder, offset of the value planes)."""
     view = memoryview(payload)
     if len(payload) < _HEAD.size:
         raise CorruptPatchError("context block is shorter than its header")
     count, pword, shift, bits, r1, ncontexts, r2 = _HEAD.unpack_from(payload, 0)
-    nwords = old.size // word
     if pword != word or r1 or r2 or not 1 <= bits <= 16 or shift + bits > 8 * word:
         raise CorruptPatchError("context block header is damaged")
     if not 0 < count <= nwords or not 0 < ncontexts <= min(count, 1 << bits):
@@ -156,6 +226,15 @@ def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray
         raise CorruptPatchError("context block table is damaged")
     unary, offset = take_sized(view, offset)
     remainder, offset = take_sized(view, offset)
+    return view, count, shift, bits, present, ks, counts, unary, remainder, offset
+
+
+def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (found with the base's keys) and moves of a context-delta payload."""
+    nwords = old.size // word
+    view, count, shift, bits, present, ks, counts, unary, remainder, offset = _parse(
+        payload, word, nwords
+    )
     per_change_k = np.repeat(ks, counts)
     # Every quotient is at most its gap and the gaps of a valid block add up to less than
     # nwords, so the first count 0-bits lie in the first count + nwords bits: read no further
