@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define LITTLE_ENDIAN_HOST 1
@@ -34,26 +37,48 @@ typedef uint16_t __attribute__((may_alias, aligned(1))) u16a;
 typedef uint32_t __attribute__((may_alias, aligned(1))) u32a;
 typedef uint64_t __attribute__((may_alias, aligned(1))) u64a;
 
-typedef uint8_t v16 __attribute__((vector_size(16)));
+typedef uint8_t v16 __attribute__((vector_size(16))); /* SSE2 on x86-64, NEON on arm64 */
 
-/* Whether the 64 bytes at x and y differ (GCC vector types: SSE2 on x86-64, NEON on arm64). */
-static inline int span_differs(const uint8_t *x, const uint8_t *y) {
-    v16 d = {0};
+/* One bit per byte of the 64 bytes at x and y, set where they differ (bit k: byte k). */
+static inline uint64_t span_mask(const uint8_t *x, const uint8_t *y) {
+    uint64_t mask = 0;
     for (int j = 0; j < 4; j++) {
         v16 p, q;
         memcpy(&p, x + 16 * j, 16);
         memcpy(&q, y + 16 * j, 16);
-        d |= p ^ q;
+#if defined(__SSE2__)
+        uint64_t eq = (uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8((__m128i)p, (__m128i)q));
+        mask |= (~eq & 0xFFFFu) << (16 * j);
+#else
+        v16 ne = (v16)(p != q); /* 0xFF where the bytes differ */
+        uint64_t lanes[2];
+        memcpy(lanes, &ne, 16);
+        for (int h = 0; h < 2; h++) { /* each byte's top bit, gathered into 8 bits */
+            uint64_t top = ((lanes[h] & 0x8080808080808080ull) * 0x0002040810204081ull) >> 56;
+            mask |= top << (16 * j + 8 * h);
+        }
+#endif
     }
-    uint64_t lanes[2];
-    memcpy(lanes, &d, 16);
-    return (lanes[0] | lanes[1]) != 0;
+    return mask;
+}
+
+/* The byte mask of span_mask folded to one bit per word of `size` bytes: the word's lowest
+ * bit, set where any of its bytes differs. */
+static inline uint64_t word_mask(uint64_t mask, size_t size) {
+    if (size >= 2) mask |= mask >> 1;
+    if (size >= 4) mask |= mask >> 2;
+    if (size >= 8) mask |= mask >> 4;
+    return size == 1   ? mask
+           : size == 2 ? mask & 0x5555555555555555ull
+           : size == 4 ? mask & 0x1111111111111111ull
+                       : mask & 0x0101010101010101ull;
 }
 
 /* List the words that differ in one pass into `out` (room for nwords + 1 indices; only the
- * first count + 1 are touched): equal 64-byte spans are skipped, and inside the others every
- * index is stored and the count moves on only where the words differ (no branch to mispredict
- * when a third of the words change). With `planes`, the zigzag move of each word also goes
+ * first count + 1 are touched), 64 bytes at a time: a span that is equal is skipped; in one
+ * with a few changes (a quarter of its words at most) the changes are visited alone, from the
+ * span's mask; in the others every index is stored and the count moves on only where the
+ * words differ (no branch to mispredict when a third of the words change). With `planes`, the zigzag move of each word also goes
  * into `word` planes (plane p at planes + p * stride), the value planes of codecs 3-5, while
  * both words are in registers. One function per word type. */
 #define PREFETCH_AHEAD 2048
@@ -72,8 +97,28 @@ static inline int span_differs(const uint8_t *x, const uint8_t *y) {
              * page edges). Prefetching never faults, past the end neither. */                 \
             __builtin_prefetch(a + i * sizeof(T) + PREFETCH_AHEAD);                           \
             __builtin_prefetch(b + i * sizeof(T) + PREFETCH_AHEAD);                           \
-            if (end - i == per_span && !span_differs(a + i * sizeof(T), b + i * sizeof(T)))   \
-                continue;                                                                     \
+            if (end - i == per_span) {                                                        \
+                uint64_t m = word_mask(span_mask(a + i * sizeof(T), b + i * sizeof(T)),       \
+                                       sizeof(T));                                            \
+                if (!m) continue;                                                             \
+                if (__builtin_popcountll(m) <= (int)(per_span / 4)) {                         \
+                    /* A few changes: visit them alone, from the mask. */                     \
+                    do {                                                                      \
+                        size_t j = i + (size_t)__builtin_ctzll(m) / sizeof(T);                \
+                        m &= m - 1;                                                           \
+                        T u = x[j], v = y[j];                                                 \
+                        out[count] = (int64_t)j;                                              \
+                        if (with_planes) {                                                    \
+                            T d = (T)(v - u);                                                 \
+                            T z = (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> top)));               \
+                            for (size_t p = 0; p < sizeof(T); p++)                            \
+                                planes[p * stride + count] = (uint8_t)((uint64_t)z >> (8 * p)); \
+                        }                                                                     \
+                        count++;                                                              \
+                    } while (m);                                                              \
+                    continue;                                                                 \
+                }                                                                             \
+            }                                                                                 \
             for (size_t j = i; j < end; j++) {                                                \
                 T u = x[j], v = y[j];                                                         \
                 out[count] = (int64_t)j;                                                      \
