@@ -74,6 +74,14 @@ static inline uint64_t word_mask(uint64_t mask, size_t size) {
                        : mask & 0x0101010101010101ull;
 }
 
+/* The set bits of x (a plain x86-64 build has no popcnt instruction: GCC would call libgcc). */
+static inline size_t bit_count(uint64_t x) {
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+    return (size_t)((x * 0x0101010101010101ull) >> 56);
+}
+
 /* List the words that differ in one pass into `out` (room for nwords + 1 indices; only the
  * first count + 1 are touched), 64 bytes at a time: a span that is equal is skipped; in one
  * with a few changes (a quarter of its words at most) the changes are visited alone, from the
@@ -101,7 +109,7 @@ static inline uint64_t word_mask(uint64_t mask, size_t size) {
                 uint64_t m = word_mask(span_mask(a + i * sizeof(T), b + i * sizeof(T)),       \
                                        sizeof(T));                                            \
                 if (!m) continue;                                                             \
-                if (__builtin_popcountll(m) <= (int)(per_span / 4)) {                         \
+                if (bit_count(m) <= per_span / 4) {                                           \
                     /* A few changes: visit them alone, from the mask. */                     \
                     do {                                                                      \
                         size_t j = i + (size_t)__builtin_ctzll(m) / sizeof(T);                \
