@@ -1244,24 +1244,65 @@ done:
 }
 
 /* The walk of context_scatter for one word type: context_positions' walk, each change's word
- * moved at once by the zigzag value its planes hold. */
+ * moved at once by the zigzag value its planes hold. A word's rank is a count that the next
+ * word of its key (in real weights, mostly the next word) must load again after this one
+ * stores it, a chain of store-to-load latencies; so two walkers take the two halves of the
+ * block in step, each with its own counts, the second starting from the key counts of the
+ * first half (counted beforehand in four tables, word i in table i % 4). Per key, slots
+ * [0, nkeys) of cursor, stop, want and seen are the first walker's, [nkeys, 2 nkeys) the
+ * second's; on entry the first walker's cursor and stop span all the key's changes. */
+#define SCATTER_ONE(T, I, CURSOR, STOP, WANT, SEEN)                                           \
+    do {                                                                                      \
+        T v_ = w[I];                                                                          \
+        uint32_t e_ = (uint32_t)((uint64_t)v_ >> shift) & mask;                               \
+        int64_t r_ = SEEN[e_];                                                                \
+        SEEN[e_] = r_ + 1;                                                                    \
+        if (r_ == WANT[e_]) {                                                                 \
+            int64_t j_ = CURSOR[e_]++;                                                        \
+            WANT[e_] = j_ + 1 < STOP[e_] ? rank[j_ + 1] : -1;                                 \
+            T z_ = 0;                                                                         \
+            for (size_t b_ = 0; b_ < sizeof(T); b_++) z_ |= (T)((T)src[b_][j_] << (8 * b_));  \
+            w[I] = (T)(v_ + (T)((T)(z_ >> 1) ^ (T)((T)0 - (T)(z_ & 1))));                     \
+        }                                                                                     \
+    } while (0)
 #define CONTEXT_SCATTER_OF(NAME, T)                                                           \
     static void NAME##_walk(uint8_t *block, size_t nwords, int shift, uint32_t mask,          \
-                            const int64_t *rank, int64_t *cursor, const int64_t *stop,        \
-                            int64_t *want, int64_t *seen, const uint8_t *const *src) {        \
+                            const int64_t *rank, int64_t *cursor, int64_t *stop,              \
+                            int64_t *want, int64_t *seen, int64_t *h, size_t nkeys,           \
+                            const uint8_t *const *src) {                                      \
         T *w = (T *)block;                                                                    \
-        for (size_t i = 0; i < nwords; i++) {                                                 \
-            T v = w[i];                                                                       \
-            uint32_t e = (uint32_t)((uint64_t)v >> shift) & mask;                             \
-            int64_t r = seen[e];                                                              \
-            seen[e] = r + 1;                                                                  \
-            if (r != want[e]) continue;                                                       \
-            int64_t j = cursor[e]++;                                                          \
-            want[e] = j + 1 < stop[e] ? rank[j + 1] : -1;                                     \
-            T z = 0;                                                                          \
-            for (size_t b = 0; b < sizeof(T); b++) z |= (T)((T)src[b][j] << (8 * b));         \
-            w[i] = (T)(v + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                        \
+        size_t half = nwords / 2, i = 0;                                                      \
+        int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
+        for (; i + 4 <= half; i += 4) {                                                       \
+            h0[CONTEXT_KEY(w, i)]++;                                                          \
+            h1[CONTEXT_KEY(w, i + 1)]++;                                                      \
+            h2[CONTEXT_KEY(w, i + 2)]++;                                                      \
+            h3[CONTEXT_KEY(w, i + 3)]++;                                                      \
         }                                                                                     \
+        for (; i < half; i++) h0[CONTEXT_KEY(w, i)]++;                                        \
+        int64_t *cursor2 = cursor + nkeys, *stop2 = stop + nkeys, *want2 = want + nkeys,      \
+                *seen2 = seen + nkeys;                                                        \
+        for (size_t e = 0; e < nkeys; e++) {                                                  \
+            int64_t before = h0[e] + h1[e] + h2[e] + h3[e]; /* key e's words in half one */  \
+            int64_t lo = cursor[e], hi = stop[e];                                             \
+            while (lo < hi) { /* the first of the key's changes in the second half */         \
+                int64_t mid = lo + (hi - lo) / 2;                                             \
+                if (rank[mid] < before) lo = mid + 1;                                         \
+                else hi = mid;                                                                \
+            }                                                                                 \
+            cursor2[e] = lo;                                                                  \
+            stop2[e] = stop[e];                                                               \
+            want2[e] = lo < stop2[e] ? rank[lo] : -1;                                         \
+            seen2[e] = before;                                                                \
+            stop[e] = lo;                                                                     \
+            want[e] = cursor[e] < lo ? rank[cursor[e]] : -1;                                  \
+            seen[e] = 0;                                                                      \
+        }                                                                                     \
+        for (i = 0; i < half; i++) {                                                          \
+            SCATTER_ONE(T, i, cursor, stop, want, seen);                                      \
+            SCATTER_ONE(T, half + i, cursor2, stop2, want2, seen2);                           \
+        }                                                                                     \
+        for (i = 2 * half; i < nwords; i++) SCATTER_ONE(T, i, cursor2, stop2, want2, seen2);  \
     }
 
 CONTEXT_SCATTER_OF(s1, uint8_t)
@@ -1286,7 +1327,7 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     const uint8_t *src[8];
     uint8_t *zero = NULL;
     int held = 0;
-    int64_t *rank = NULL, *cursor = NULL, *stop = NULL, *seen = NULL, *want = NULL;
+    int64_t *rank = NULL, *cursor = NULL, *stop = NULL, *seen = NULL, *want = NULL, *tables = NULL;
     if (context_args(&w, word, shift, bits) < 0) goto done;
     size_t nwords = (size_t)w.len / (size_t)word, nctx = (size_t)kb.len / 8,
            nkeys = (size_t)1 << bits;
@@ -1316,11 +1357,12 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     if (take_planes(planes, (Py_ssize_t)count, word, "context_scatter", views, src, &held, &zero) < 0)
         goto done;
     rank = malloc(count * 8);
-    cursor = malloc(nkeys * 8);
-    stop = malloc(nkeys * 8);
-    seen = calloc(nkeys, 8);
-    want = malloc(nkeys * 8);
-    if (!rank || !cursor || !stop || !seen || !want) {
+    cursor = malloc(2 * nkeys * 8);
+    stop = malloc(2 * nkeys * 8);
+    seen = calloc(2 * nkeys, 8);
+    want = malloc(2 * nkeys * 8);
+    tables = calloc(4 * nkeys, 8);
+    if (!rank || !cursor || !stop || !seen || !want || !tables) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1377,12 +1419,12 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
             first += cnt[j];
         }
         switch (word) {
-        case 1: s1_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src); break;
-        case 2: s2_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src); break;
-        case 4: s4_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src); break;
-        default: s8_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, src);
+        case 1: s1_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src); break;
+        case 2: s2_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src); break;
+        case 4: s4_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src); break;
+        default: s8_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src);
         }
-        for (size_t e = 0; e < nkeys && !error; e++) {
+        for (size_t e = 0; e < 2 * nkeys && !error; e++) {
             if (cursor[e] < stop[e]) error = "context block points past the end of a context";
         }
     }
@@ -1396,6 +1438,7 @@ done:
     free(stop);
     free(seen);
     free(want);
+    free(tables);
     PyBuffer_Release(&w);
     PyBuffer_Release(&kb);
     PyBuffer_Release(&kk);
