@@ -1,4 +1,5 @@
-/* Compiled inner loops of the codecs: finding changed words, Rice coding and scattering moves.
+/* Compiled inner loops of the codecs: finding changed words, Rice coding, the context codec
+ * of `--level max` and scattering moves.
  *
  * Optional: pulsectl/codecs/_fast.py falls back to numpy when this module is not built, and
  * every function here gives exactly the bytes (or values) of its numpy counterpart; the tests

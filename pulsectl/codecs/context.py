@@ -8,6 +8,10 @@ change rate, and codes, per group, the gaps between changed words with a Rice co
 parameter fits that group's rate. Values are coded as in codec 3, in the same order, so that
 runs of similar moves sit together.
 
+Both directions run in the compiled loops where they are built (``_speedups.context_encode``
+and ``context_scatter``, which applies a payload to the base block in place); the numpy code
+is their reference and the fallback, and gives the same bytes.
+
 Payload layout (little-endian), mirrored in docs/FORMAT.md:
   u32 count, u8 word, u8 key_shift, u8 key_bits, u8 reserved (0),
   u16 contexts, u16 reserved (0), u32 table_bytes, the context table as one zstd frame of
