@@ -46,9 +46,10 @@ from pulsectl.codecs._bits import (
 from pulsectl.errors import CorruptPatchError
 
 # The value planes are compressed with the default level's literal-oriented settings, not at
-# the level of `--level max` (19). Level 19 made them 3-7% smaller (2-5% of the whole patch) at
-# 10-60 times the time: on the 1 GB benchmark pairs `--level max` took 4-67 s with it, 1.2-7.3 s
-# with these settings, patches 2.7-7% larger, all within the bounds (#3).
+# the level of `--level max` (19), which took 10-60 times as long for planes 4-18% smaller. On
+# the nine 1 GB benchmark pairs `--level max` diffs took 3.9-67 s with level 19 and the numpy
+# encoder, 1.1-4.4 s with these settings and the compiled one; its patches grew 2.7-7.0%
+# (0.275-0.300x the v3.1 layout -> 0.290-0.315x; the bound of #3 is 0.33x).
 PLANE_LEVEL = _zstd.PLANE_FAST_LEVEL
 
 _HEAD = struct.Struct("<IBBBBHH")
