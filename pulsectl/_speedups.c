@@ -789,6 +789,18 @@ done:
  * words share a key, as they mostly do in real weights: encoding counts into four tables
  * (word i into table i % 4) and adds them where it needs a rank. */
 #define CONTEXT_KEY(w, i) ((uint32_t)((uint64_t)(w)[i] >> shift) & mask)
+/* Count the keys of words [I, STOP) of W into tables h0..h3 (four words at a time, one in
+ * each table), leaving I at STOP. */
+#define COUNT_KEYS(W, I, STOP)                                                                \
+    do {                                                                                      \
+        for (; (I) + 4 <= (STOP); (I) += 4) {                                                 \
+            h0[CONTEXT_KEY(W, I)]++;                                                          \
+            h1[CONTEXT_KEY(W, (I) + 1)]++;                                                    \
+            h2[CONTEXT_KEY(W, (I) + 2)]++;                                                    \
+            h3[CONTEXT_KEY(W, (I) + 3)]++;                                                    \
+        }                                                                                     \
+        for (; (I) < (STOP); (I)++) h0[CONTEXT_KEY(W, I)]++;                                  \
+    } while (0)
 #define CONTEXT_OF(NAME, T)                                                                   \
     static void NAME##_ranks(const uint8_t *block, size_t nwords, int shift, uint32_t mask,   \
                              const int64_t *pos, size_t n, int64_t *rank, int64_t *h,          \
@@ -798,13 +810,7 @@ done:
         size_t i = 0, next = 0;                                                               \
         for (;;) {                                                                            \
             size_t stop = next < n ? (size_t)pos[next] : nwords;                              \
-            for (; i + 4 <= stop; i += 4) {                                                   \
-                h0[CONTEXT_KEY(w, i)]++;                                                      \
-                h1[CONTEXT_KEY(w, i + 1)]++;                                                  \
-                h2[CONTEXT_KEY(w, i + 2)]++;                                                  \
-                h3[CONTEXT_KEY(w, i + 3)]++;                                                  \
-            }                                                                                 \
-            for (; i < stop; i++) h0[CONTEXT_KEY(w, i)]++;                                    \
+            COUNT_KEYS(w, i, stop);                                                           \
             if (next == n) break;                                                             \
             uint32_t e = CONTEXT_KEY(w, i);                                                   \
             rank[next++] = h0[e] + h1[e] + h2[e] + h3[e];                                     \
@@ -1278,13 +1284,7 @@ done:
         T *w = (T *)block;                                                                    \
         size_t half = nwords / 2, i = 0;                                                      \
         int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
-        for (; i + 4 <= half; i += 4) {                                                       \
-            h0[CONTEXT_KEY(w, i)]++;                                                          \
-            h1[CONTEXT_KEY(w, i + 1)]++;                                                      \
-            h2[CONTEXT_KEY(w, i + 2)]++;                                                      \
-            h3[CONTEXT_KEY(w, i + 3)]++;                                                      \
-        }                                                                                     \
-        for (; i < half; i++) h0[CONTEXT_KEY(w, i)]++;                                        \
+        COUNT_KEYS(w, i, half);                                                               \
         int64_t *cursor2 = cursor + nkeys, *stop2 = stop + nkeys, *want2 = want + nkeys,      \
                 *seen2 = seen + nkeys;                                                        \
         for (size_t e = 0; e < nkeys; e++) {                                                  \

@@ -91,21 +91,37 @@ def encode(
         raw_table, unary, remainder, raw_planes = fast.context_encode(
             old, new, word, key[0], key[1], positions.astype(np.int64, copy=False)
         )
-        table = _zstd.compress(raw_table, level)
         count = positions.size
         planes = [memoryview(raw_planes)[p * count : (p + 1) * count] for p in range(word)]
-        parts = [
-            _HEAD.pack(count, word, key[0], key[1], 0, len(raw_table) // _CTX_BYTES, 0),
-            struct.pack("<I", len(table)),
-            table,
-            struct.pack("<I", len(unary)),
-            unary,
-            struct.pack("<I", len(remainder)),
-            remainder,
-            join_planes([compress_plane(plane, min(level, PLANE_LEVEL)) for plane in planes]),
-        ]
-        return b"".join(parts)
+        values = join_planes([compress_plane(plane, min(level, PLANE_LEVEL)) for plane in planes])
+        return _payload(count, word, key, raw_table, unary, remainder, values, level)
     return _encode_numpy(old, new, word, positions, key, level)
+
+
+def _payload(
+    count: int,
+    word: int,
+    key: tuple[int, int],
+    raw_table: bytes,
+    unary: bytes,
+    remainder: bytes,
+    values: bytes,
+    level: int,
+) -> bytes:
+    """A payload from its parts: the context table before compression, the unary and
+    remainder streams, and the value planes already joined (``join_planes``)."""
+    table = _zstd.compress(raw_table, level)
+    parts = [
+        _HEAD.pack(count, word, key[0], key[1], 0, len(raw_table) // _CTX_BYTES, 0),
+        struct.pack("<I", len(table)),
+        table,
+        struct.pack("<I", len(unary)),
+        unary,
+        struct.pack("<I", len(remainder)),
+        remainder,
+        values,
+    ]
+    return b"".join(parts)
 
 
 def _encode_numpy(
@@ -146,25 +162,14 @@ def _encode_numpy(
     ks = np.empty(present.size, dtype=np.uint8)
     for i, (lo, n) in enumerate(zip(first, counts, strict=True)):
         ks[i] = best_rice(gaps[lo : lo + n])
-    table = _zstd.compress(
-        present.astype("<u2").tobytes() + ks.tobytes() + counts.astype("<u4").tobytes(), level
-    )
+    raw_table = present.astype("<u2").tobytes() + ks.tobytes() + counts.astype("<u4").tobytes()
     per_change_k = np.repeat(ks, counts).astype(np.int64)
     unary = pack_unary(gaps >> per_change_k)
     remainder = pack_bits(gaps & ((1 << per_change_k) - 1), per_change_k)
     utype = _UINT[word]
     moved = new.view(utype)[positions] - old.view(utype)[positions]
-    parts = [
-        _HEAD.pack(positions.size, word, key[0], key[1], 0, present.size, 0),
-        struct.pack("<I", len(table)),
-        table,
-        struct.pack("<I", len(unary)),
-        unary,
-        struct.pack("<I", len(remainder)),
-        remainder,
-        pack_moves(moved, word, min(level, PLANE_LEVEL)),
-    ]
-    return b"".join(parts)
+    values = pack_moves(moved, word, min(level, PLANE_LEVEL))
+    return _payload(positions.size, word, key, raw_table, unary, remainder, values, level)
 
 
 def position_bytes(payload: bytes) -> int:
