@@ -2,7 +2,7 @@
 
 DEFAULT_LEVEL = 3  # zstd level of the codec planes
 MAX_LEVEL = 22
-MAX_PRESET_LEVEL = 19  # zstd level used by `--level max` (with the context codec)
+MAX_PRESET_LEVEL = 19  # `--level max`: the context codec, its tables at this zstd level
 CAST_TARGETS = ("bf16", "f16", "f8_e4m3", "f8_e5m2")  # keys of pulsectl.cast.TARGETS
 DEFAULT_KS = (1, 2, 4, 8)  # pulsectl.stats.DEFAULT_KS
 DEFAULT_ANCHOR_EVERY = 10  # pulsectl.store.publish

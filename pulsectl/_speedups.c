@@ -470,17 +470,23 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
     return v;
 }
 
-/* The body of a walk over a Rice block's changes, in order: change `found`'s position `at`
- * comes from its unary code (the quotient: the 1-bits before its ending 0-bit) and its k-bit
- * remainder; each is checked to lie inside the block's `nwords` words before EMIT runs.
- * Returns the error (a static string) or NULL. Used by rice_decode and rice_scatter. */
-#define RICE_WALK(EMIT)                                                                       \
+/* The body of a walk over the changes of a Rice-coded run, in order: change `found`'s position
+ * `at` comes from its unary code (the quotient: the 1-bits before its ending 0-bit) and its
+ * k-bit remainder; each is checked to lie inside the block's `nwords` words before EMIT runs.
+ * The run's codes start at bit UBIT0 of the unary stream and bit RBIT0 of the remainder stream
+ * (0 and 0 for a codec 5 block, where the compiler drops them; codec 4 codes one run per
+ * context, one after the other); PAST is the error for a position past the end, and DONE
+ * runs once all `count` codes are read, with `end_before` the bit of the last one's 0-bit.
+ * Returns the error (a static string) or NULL. Used by rice_decode, rice_scatter and
+ * context_scatter. */
+#define RICE_WALK(UBIT0, RBIT0, PAST, EMIT, DONE)                                             \
     const uint8_t *uend = ub + ulen;                                                          \
     uint64_t limit = (uint64_t)nwords >> k;                                                   \
-    int64_t at = -1, end_before = -1;                                                         \
+    int64_t at = -1, end_before = (int64_t)(UBIT0) - 1;                                       \
     size_t found = 0;                                                                         \
-    for (size_t w = 0; w * 8 < ulen && found < count; w++) {                                  \
+    for (size_t w = (UBIT0) / 64; w * 8 < ulen && found < count; w++) {                       \
         uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF); /* past the end: no zeros */     \
+        if (w == (UBIT0) / 64) zeros &= ~0ull >> ((UBIT0) % 64); /* codes before the run */  \
         while (zeros && found < count) {                                                      \
             int lead = __builtin_clzll(zeros);                                                \
             zeros ^= 1ull << (63 - lead);                                                     \
@@ -488,22 +494,37 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
             uint64_t q = (uint64_t)(end - end_before - 1), r = 0;                             \
             end_before = end;                                                                 \
             if (k) {                                                                          \
-                uint64_t bit = (uint64_t)found * (uint64_t)k;                                 \
+                uint64_t bit = (RBIT0) + (uint64_t)found * (uint64_t)k;                       \
                 r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);           \
             }                                                                                 \
-            if (q > limit) return "rice block points past the end of its block";             \
+            if (q > limit) return PAST;                                                       \
             at += (int64_t)((q << k) + r + 1);                                                \
-            if (at >= (int64_t)nwords) return "rice block points past the end of its block"; \
+            if (at >= (int64_t)nwords) return PAST;                                           \
             EMIT;                                                                             \
             found++;                                                                          \
         }                                                                                     \
     }                                                                                         \
-    return found < count ? "unary stream is too short" : NULL;
+    if (found < count) return "unary stream is too short";                                    \
+    DONE;                                                                                     \
+    return NULL;
+
+#define RICE_PAST "rice block points past the end of its block"
 
 static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t *rb,
                                   const uint8_t *rend, size_t count, int k, size_t nwords,
                                   int64_t *out) {
-    RICE_WALK(out[found] = at)
+    RICE_WALK(0, 0, RICE_PAST, out[found] = at, (void)0)
+}
+
+/* One context's run of a codec 4 block: each change's rank among the words of its key (the
+ * ranks count words, not changes, but are Rice-coded as codec 5 codes positions), read from
+ * bit ubit0 of the unary stream and bit rbit0 of the remainder stream; *next is the unary bit
+ * where the next context's run starts. */
+static const char *context_run(const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                               const uint8_t *rend, size_t count, int k, size_t nwords,
+                               uint64_t ubit0, uint64_t rbit0, int64_t *out, uint64_t *next) {
+    RICE_WALK(ubit0, rbit0, "context block points past the end of a context", out[found] = at,
+              *next = (uint64_t)(end_before + 1))
 }
 
 /* rice_decode(unary, remainder, count, k, nwords) -> positions (int64, as a bytearray).
@@ -563,7 +584,7 @@ done:
         uint8_t *restrict words, size_t nwords, const uint8_t *ub, size_t ulen,               \
         const uint8_t *rb, const uint8_t *rend, size_t count, int k,                          \
         const uint8_t *const *src) {                                                          \
-        RICE_WALK(NAME##_add(words, at, src, found))                                          \
+        RICE_WALK(0, 0, RICE_PAST, NAME##_add(words, at, src, found), (void)0)                \
     }
 
 RICE_SCATTER_OF(r1, uint8_t)
@@ -1374,49 +1395,22 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
     size_t ulen = (size_t)u.len, bound = ((size_t)count + nwords + 7) / 8;
     if (ulen > bound) ulen = bound;
-    const uint8_t *ub = u.buf, *uend = ub + ulen, *rb = rem.buf, *rend = rb + rem.len;
+    const uint8_t *ub = u.buf, *rb = rem.buf, *rend = rb + rem.len;
     const char *error = NULL;
     uint32_t mask = (uint32_t)((1u << bits) - 1);
     Py_BEGIN_ALLOW_THREADS
     /* Each change's rank among its context's words, from the unary and remainder streams. */
-    size_t found = 0, c = 0;
-    uint64_t in_ctx = 0, bit = 0;
-    int k = (int)kof[0];
-    int64_t at = -1, end_before = -1;
-    for (size_t i = 0; i * 8 < ulen && found < count && !error; i++) {
-        uint64_t zeros = ~load_be64(ub + 8 * i, uend, 0xFF);
-        while (zeros && found < count) {
-            int lead = __builtin_clzll(zeros);
-            zeros ^= 1ull << (63 - lead);
-            int64_t e = (int64_t)(64 * i + (size_t)lead);
-            uint64_t q = (uint64_t)(e - end_before - 1), r = 0;
-            end_before = e;
-            if (k) {
-                r = (load_be64(rb + (bit >> 3), rend, 0) << (bit & 7)) >> (64 - k);
-                bit += (uint64_t)k;
-            }
-            if (q > ((uint64_t)nwords >> k)) {
-                error = "context block points past the end of a context";
-                break;
-            }
-            at += (int64_t)((q << k) + r + 1);
-            if (at >= (int64_t)nwords) {
-                error = "context block points past the end of a context";
-                break;
-            }
-            rank[found++] = at;
-            if (++in_ctx == (uint64_t)cnt[c] && found < count) {
-                c++;
-                in_ctx = 0;
-                k = (int)kof[c];
-                at = -1;
-            }
-        }
+    uint64_t ubit = 0, rbit = 0;
+    int64_t first = 0;
+    for (size_t c = 0; c < nctx && !error; c++) {
+        error = context_run(ub, ulen, rb, rend, (size_t)cnt[c], (int)kof[c], nwords, ubit, rbit,
+                            rank + first, &ubit);
+        rbit += (uint64_t)cnt[c] * (uint64_t)kof[c];
+        first += cnt[c];
     }
-    if (!error && found < count) error = "unary stream is too short";
     if (!error) {
         for (size_t e = 0; e < nkeys; e++) cursor[e] = stop[e] = 0, want[e] = -1;
-        int64_t first = 0;
+        first = 0;
         for (size_t j = 0; j < nctx; j++) {
             cursor[key[j]] = first;
             stop[key[j]] = first + cnt[j];

@@ -23,8 +23,9 @@ from pulsectl._atomic import atomic_file
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import BufferPool, default_workers, ordered_map, window_for
 
-# `--level max` uses the context codec (positions grouped by the base word's exponent) and
-# zstd level MAX_PRESET_LEVEL for the planes.
+# `--level max` uses the context codec (positions grouped by the base word's exponent) at zstd
+# level MAX_PRESET_LEVEL (its context tables; value planes keep the fast settings, see
+# codecs/context.py).
 from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL  # noqa: F401
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.codecs import EncodedBlock, encode_block
