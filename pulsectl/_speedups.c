@@ -343,7 +343,8 @@ static inline void store_zeros(uint8_t *buf, size_t size, uint64_t index, uint64
 
 /* out[j] = sum over the gaps g of g >> (from + j), for j < count <= 5; returns whether the
  * positions increase (the sums are meaningless where they do not). */
-static int quotient_sums(const int64_t *pos, size_t n, int from, int count, uint64_t *out) {
+static int quotient_sums(const void *positions, size_t n, int from, int count, uint64_t *out) {
+    const int64_t *pos = positions;
     uint64_t g = (uint64_t)pos[0]; /* the first gap counts from -1 */
     uint64_t s0 = g >> from, s1 = g >> (from + 1), s2 = g >> (from + 2), s3 = g >> (from + 3),
              s4 = g >> (from + 4);
@@ -368,6 +369,41 @@ static int quotient_sums(const int64_t *pos, size_t n, int from, int count, uint
 
 static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
+/* sums(data, n, from, count, out): out[j] = the sum of the quotients g >> (from + j) of the n
+ * gaps in data, for j < count <= 5; 0 where data is not valid (then nothing is coded). */
+typedef int (*QuotientSums)(const void *data, size_t n, int from, int count, uint64_t *out);
+
+/* The Rice parameter k with the fewest bits for n > 0 gaps averaging `mean` (the smallest k on
+ * a tie), and in *quotients the sum of their quotients at that k; -1 where `sums` refuses the
+ * data. The bits of Rice coding with parameter k, sum(g >> k) + n (k + 1), are convex in k:
+ * their step from k to k + 1 is n - sum(ceil((g >> k) / 2)), which never decreases. So the
+ * first minimum of a window is the first minimum overall unless it sits on an edge that can
+ * still move. The window starts around log2 of the mean gap. Above the bit length of the
+ * largest gap the cost only grows, so searching up to MAX_RICE_K finds what numpy's argmin
+ * over 0..min(bit length, MAX_RICE_K) finds (codecs/_bits.best_rice). */
+static int rice_search(QuotientSums sums, const void *data, size_t n, uint64_t mean,
+                       uint64_t *quotients) {
+    int guess = bit_length(mean);
+    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > MAX_RICE_K ? MAX_RICE_K : guess + 2;
+    if (lo > hi) lo = hi;
+    uint64_t quot[MAX_RICE_K + 1];
+    int have_lo = lo, have_hi = hi, k;
+    if (!sums(data, n, lo, hi - lo + 1, quot + lo)) return -1;
+    for (;;) {
+        if (lo < have_lo) sums(data, n, lo, 1, quot + lo), have_lo = lo;
+        if (hi > have_hi) sums(data, n, hi, 1, quot + hi), have_hi = hi;
+        k = lo;
+        for (int kk = lo + 1; kk <= hi; kk++) {
+            if (quot[kk] + (uint64_t)n * (kk + 1) < quot[k] + (uint64_t)n * (k + 1)) k = kk;
+        }
+        if (k == lo && lo > 0) lo--; /* the first minimum may lie lower */
+        else if (k == hi && hi < MAX_RICE_K) hi++; /* or higher */
+        else break;
+    }
+    *quotients = quot[k];
+    return k;
+}
+
 /* rice_encode(positions) -> (k, unary, remainder): the Rice parameter with the fewest bits
  * (the smallest on a tie), the unary stream of the quotients and the k-bit remainders of the
  * gaps between the sorted positions (int64, the first gap counted from -1). */
@@ -381,37 +417,16 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *pos = p.buf;
-    /* The bits of Rice coding with parameter k, sum(g >> k) + n (k + 1), are convex in k:
-     * their step from k to k + 1 is n - sum(ceil((g >> k) / 2)), which never decreases. So the
-     * first minimum of a window is the first minimum overall unless it sits on an edge that
-     * can still move. The window starts around log2 of the mean gap, known without a pass: the
-     * gaps add up to the last position + 1 - n. Above the bit length of the largest gap the
-     * cost only grows, so searching up to MAX_RICE_K finds what numpy's argmin over
-     * 0..min(bit length, MAX_RICE_K) finds. */
-    int guess = bit_length(((uint64_t)pos[n - 1] + 1 - n) / n);
-    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > MAX_RICE_K ? MAX_RICE_K : guess + 2;
-    if (lo > hi) lo = hi;
-    uint64_t quot[MAX_RICE_K + 1];
-    int have_lo = lo, have_hi = hi, k = lo, ordered;
+    /* The gaps add up to the last position + 1 - n: their mean is known without a pass. */
+    uint64_t best_quot = 0;
+    int k;
     Py_BEGIN_ALLOW_THREADS
-    ordered = quotient_sums(pos, n, lo, hi - lo + 1, quot + lo);
-    while (ordered) {
-        if (lo < have_lo) quotient_sums(pos, n, lo, 1, quot + lo), have_lo = lo;
-        if (hi > have_hi) quotient_sums(pos, n, hi, 1, quot + hi), have_hi = hi;
-        k = lo;
-        for (int kk = lo + 1; kk <= hi; kk++) {
-            if (quot[kk] + (uint64_t)n * (kk + 1) < quot[k] + (uint64_t)n * (k + 1)) k = kk;
-        }
-        if (k == lo && lo > 0) lo--; /* the first minimum may lie lower */
-        else if (k == hi && hi < MAX_RICE_K) hi++; /* or higher */
-        else break;
-    }
+    k = rice_search(quotient_sums, pos, n, ((uint64_t)pos[n - 1] + 1 - n) / n, &best_quot);
     Py_END_ALLOW_THREADS
-    if (!ordered) {
+    if (k < 0) {
         PyErr_SetString(PyExc_ValueError, "rice_encode: positions must increase");
         goto done;
     }
-    uint64_t best_quot = quot[k];
     unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((best_quot + n + 7) / 8));
     remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)n * k + 7) / 8));
     if (!unary || !remainder) goto done;
@@ -1048,8 +1063,9 @@ static inline uint64_t load_word(const uint8_t *block, size_t i, int word) {
     }
 }
 
-/* out[j] = sum over the gaps g[0..n) of g >> (from + j), for j < count <= 5. */
-static void gap_quotient_sums(const uint64_t *g, size_t n, int from, int count, uint64_t *out) {
+/* QuotientSums over an array of gaps (uint64). */
+static int gap_quotient_sums(const void *gaps, size_t n, int from, int count, uint64_t *out) {
+    const uint64_t *g = gaps;
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0;
     for (size_t i = 0; i < n; i++) {
         uint64_t x = g[i] >> from;
@@ -1061,31 +1077,7 @@ static void gap_quotient_sums(const uint64_t *g, size_t n, int from, int count, 
     }
     uint64_t part[5] = {s0, s1, s2, s3, s4};
     for (int j = 0; j < count; j++) out[j] = part[j];
-}
-
-/* The Rice parameter with the fewest bits for the gaps g[0..n) (n > 0; the smallest k on a
- * tie), found as rice_encode finds it (see there why a window search is exact); *quotients is
- * then the sum of their quotients. `total` is the sum of the gaps. */
-static int best_rice_of(const uint64_t *g, size_t n, uint64_t total, uint64_t *quotients) {
-    int guess = bit_length(total / n);
-    int lo = guess - 2 < 0 ? 0 : guess - 2, hi = guess + 2 > MAX_RICE_K ? MAX_RICE_K : guess + 2;
-    if (lo > hi) lo = hi;
-    uint64_t quot[MAX_RICE_K + 1];
-    int have_lo = lo, have_hi = hi, k;
-    gap_quotient_sums(g, n, lo, hi - lo + 1, quot + lo);
-    for (;;) {
-        if (lo < have_lo) gap_quotient_sums(g, n, lo, 1, quot + lo), have_lo = lo;
-        if (hi > have_hi) gap_quotient_sums(g, n, hi, 1, quot + hi), have_hi = hi;
-        k = lo;
-        for (int kk = lo + 1; kk <= hi; kk++) {
-            if (quot[kk] + (uint64_t)n * (kk + 1) < quot[k] + (uint64_t)n * (k + 1)) k = kk;
-        }
-        if (k == lo && lo > 0) lo--;
-        else if (k == hi && hi < MAX_RICE_K) hi++;
-        else break;
-    }
-    *quotients = quot[k];
-    return k;
+    return 1;
 }
 
 /* context_encode's arrays of each change (rank, gap, key, move), kept between calls as
@@ -1206,7 +1198,8 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         for (size_t e = 0; e < nkeys; e++) {
             size_t m = start[e + 1] - start[e];
             if (!m) continue;
-            ks[e] = (uint8_t)best_rice_of(gaps + start[e], m, total[e], &quots[e]);
+            ks[e] = (uint8_t)rice_search(gap_quotient_sums, gaps + start[e], m, total[e] / m,
+                                         &quots[e]);
             unary_bits += quots[e] + m;
             remainder_bits += (uint64_t)m * ks[e];
         }
