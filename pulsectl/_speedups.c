@@ -824,6 +824,10 @@ done:
  * bits) of the word read as a native (little-endian) integer. Counting keys is a chain of increments of one counter when neighbouring
  * words share a key, as they mostly do in real weights: encoding counts into four tables
  * (word i into table i % 4) and adds them where it needs a rank. */
+/* Tables of per-key counts (or states) side by side lie STRIDE(nkeys) entries apart: not a
+ * multiple of 4 KiB, at which a load waits for an unrelated store to the same offset within
+ * another page (4K aliasing; 256 keys of 8 bytes put tables 0 and 2 8 KiB apart). */
+#define STRIDE(nkeys) ((nkeys) + 24)
 #define CONTEXT_KEY(w, i) ((uint32_t)((uint64_t)(w)[i] >> shift) & mask)
 /* Count the keys of words [I, STOP) of W into tables h0..h3 (four words at a time, one in
  * each table), leaving I at STOP. */
@@ -842,7 +846,8 @@ done:
                              const int64_t *pos, size_t n, int64_t *rank, int64_t *h,          \
                              size_t nkeys) {                                                  \
         const T *w = (const T *)block;                                                        \
-        int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
+        int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
+                *h3 = h2 + STRIDE(nkeys);                                                     \
         size_t i = 0, next = 0;                                                               \
         for (;;) {                                                                            \
             size_t stop = next < n ? (size_t)pos[next] : nwords;                              \
@@ -902,7 +907,8 @@ CONTEXT_OF(c8, u64a)
                                     size_t nkeys) {                                           \
         const T *w = (const T *)block, *t = (const T *)target;                                \
         T *z = (T *)moves;                                                                    \
-        int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
+        int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
+                *h3 = h2 + STRIDE(nkeys);                                                     \
         size_t m = 0, i = 0;                                                                  \
         for (; i + 4 <= nwords; i += 4) {                                                     \
             DENSE_STEP(T, i, h0);                                                             \
@@ -947,7 +953,7 @@ static PyObject *context_ranks(PyObject *self, PyObject *args) {
     memset(seen, 0, ((size_t)1 << bits) * 8);
     uint32_t mask = (uint32_t)((1u << bits) - 1);
     int bad = 0;
-    int64_t *tables = calloc(4 * ((size_t)1 << bits), 8);
+    int64_t *tables = calloc(4 * STRIDE((size_t)1 << bits), 8);
     if (!tables) {
         PyErr_NoMemory();
         goto done;
@@ -1119,7 +1125,7 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
     gaps = (uint64_t *)(ctx_scratch + (n + 1) * 8);
     keyof = (uint16_t *)(ctx_scratch + (n + 1) * 16);
     moves = ctx_scratch + (n + 1) * 18;
-    tables = calloc(4 * nkeys, 8);
+    tables = calloc(4 * STRIDE(nkeys), 8);
     last = malloc(nkeys * 8);
     start = calloc(nkeys + 1, 8);
     fill = malloc(nkeys * 8);
@@ -1268,66 +1274,243 @@ done:
     return result;
 }
 
-/* The walk of context_scatter for one word type: context_positions' walk, each change's word
- * moved at once by the zigzag value its planes hold. A word's rank is a count that the next
- * word of its key (in real weights, mostly the next word) must load again after this one
- * stores it, a chain of store-to-load latencies; so two walkers take the two halves of the
- * block in step, each with its own counts, the second starting from the key counts of the
- * first half (counted beforehand in four tables, word i in table i % 4). Per key, slots
- * [0, nkeys) of cursor, stop, want and seen are the first walker's, [nkeys, 2 nkeys) the
- * second's; on entry the first walker's cursor and stop span all the key's changes. */
-#define SCATTER_ONE(T, I, CURSOR, STOP, WANT, SEEN)                                           \
+/* The walks of context_scatter. A sparse block's changes are met by counting down: a key's
+ * state holds, in its high 32 bits, the index j of the key's next change (in `rank` order) and,
+ * in its low 32 bits, how many more words of the key come before it; a word whose key's count
+ * is at 0 is that change, and its key's state becomes next[j], the state after it (j + 1 and
+ * the gap to the key's following change, or NEVER past the key's last). One load and one store
+ * per word, and a branch that is rarely taken, so rarely mispredicted. Counts and indices fit
+ * in 32 bits: a block holds at most 2**28 words. */
+#define NEVER 0x7FFFFFFFu
+#define SCATTER_DENSE_FROM 6
+#define SCATTER_SPARSE_OF(NAME, T)                                                            \
+    static inline __attribute__((always_inline)) void NAME##_sparse_steps(                    \
+        uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint64_t *next,        \
+        uint64_t *state, const uint8_t *const *src) {                                         \
+        T *w = (T *)block;                                                                    \
+        for (size_t i = 0; i < nwords; i++) {                                                 \
+            T v = w[i];                                                                       \
+            uint32_t e = (uint32_t)((uint64_t)v >> shift) & mask;                             \
+            uint64_t s = state[e];                                                            \
+            state[e] = s - 1;                                                                 \
+            if (__builtin_expect((uint32_t)s == 0, 0)) {                                      \
+                size_t j = (size_t)(s >> 32);                                                 \
+                state[e] = next[j];                                                           \
+                T z = 0;                                                                      \
+                for (size_t b = 0; b < sizeof(T); b++) z |= (T)((T)src[b][j] << (8 * b));     \
+                w[i] = (T)(v + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                    \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    static void NAME##_sparse(uint8_t *block, size_t nwords, int shift, uint32_t mask,        \
+                              const uint64_t *next, uint64_t *state,                          \
+                              const uint8_t *const *src) {                                    \
+        NAME##_sparse_steps(block, nwords, shift, mask, next, state, src);                    \
+    }
+
+/* From 1 change in DENSE_FROM words that branch is mispredicted often, and a branch-free step
+ * does the same work at every word: the word's rank r among its key's words (a count per key,
+ * CN) picks bit off[e] + r of `bits`, set where that rank is a change, and the word moves by
+ * the key's next move (an index per key, JC, into `delta`, the block's moves as words in rank
+ * order), masked to zero where the bit is clear. Neither count waits for the bit's load. A
+ * count is still one that the next word of its key (in real weights, often the next word)
+ * loads again after this one stores it, a chain of store-to-load latencies; so two walkers
+ * take the two halves of the block in step, each with its own counts, the second starting
+ * from the key counts of the first half. */
+#define SCATTER_DENSE(T, I, CN, JC)                                                           \
     do {                                                                                      \
         T v_ = w[I];                                                                          \
         uint32_t e_ = (uint32_t)((uint64_t)v_ >> shift) & mask;                               \
-        int64_t r_ = SEEN[e_];                                                                \
-        SEEN[e_] = r_ + 1;                                                                    \
-        if (r_ == WANT[e_]) {                                                                 \
-            int64_t j_ = CURSOR[e_]++;                                                        \
-            WANT[e_] = j_ + 1 < STOP[e_] ? rank[j_ + 1] : -1;                                 \
-            T z_ = 0;                                                                         \
-            for (size_t b_ = 0; b_ < sizeof(T); b_++) z_ |= (T)((T)src[b_][j_] << (8 * b_));  \
-            w[I] = (T)(v_ + (T)((T)(z_ >> 1) ^ (T)((T)0 - (T)(z_ & 1))));                     \
-        }                                                                                     \
+        uint32_t r_ = CN[e_];                                                                 \
+        CN[e_] = r_ + 1;                                                                      \
+        uint64_t g_ = (uint64_t)off[e_] + r_;                                                 \
+        uint32_t hit_ = (uint32_t)(bits[g_ >> 6] >> (g_ & 63)) & 1;                           \
+        uint32_t j_ = JC[e_];                                                                 \
+        JC[e_] = j_ + hit_;                                                                   \
+        w[I] = (T)(v_ + (T)(delta[j_] & (T)((T)0 - (T)hit_)));                                \
     } while (0)
-#define CONTEXT_SCATTER_OF(NAME, T)                                                           \
-    static void NAME##_walk(uint8_t *block, size_t nwords, int shift, uint32_t mask,          \
-                            const int64_t *rank, int64_t *cursor, int64_t *stop,              \
-                            int64_t *want, int64_t *seen, int64_t *h, size_t nkeys,           \
-                            const uint8_t *const *src) {                                      \
+#define SCATTER_DENSE_OF(NAME, T)                                                             \
+    static inline __attribute__((always_inline)) void NAME##_dense_steps(                     \
+        uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint32_t *off,         \
+        const uint64_t *bits, uint32_t *cn, uint32_t *jc, size_t nkeys, const T *delta) {     \
         T *w = (T *)block;                                                                    \
-        size_t half = nwords / 2, i = 0;                                                      \
-        int64_t *h0 = h, *h1 = h + nkeys, *h2 = h + 2 * nkeys, *h3 = h + 3 * nkeys;          \
-        COUNT_KEYS(w, i, half);                                                               \
-        int64_t *cursor2 = cursor + nkeys, *stop2 = stop + nkeys, *want2 = want + nkeys,      \
-                *seen2 = seen + nkeys;                                                        \
-        for (size_t e = 0; e < nkeys; e++) {                                                  \
-            int64_t before = h0[e] + h1[e] + h2[e] + h3[e]; /* key e's words in half one */  \
-            int64_t lo = cursor[e], hi = stop[e];                                             \
-            while (lo < hi) { /* the first of the key's changes in the second half */         \
-                int64_t mid = lo + (hi - lo) / 2;                                             \
-                if (rank[mid] < before) lo = mid + 1;                                         \
-                else hi = mid;                                                                \
-            }                                                                                 \
-            cursor2[e] = lo;                                                                  \
-            stop2[e] = stop[e];                                                               \
-            want2[e] = lo < stop2[e] ? rank[lo] : -1;                                         \
-            seen2[e] = before;                                                                \
-            stop[e] = lo;                                                                     \
-            want[e] = cursor[e] < lo ? rank[cursor[e]] : -1;                                  \
-            seen[e] = 0;                                                                      \
+        size_t half = nwords / 2;                                                             \
+        uint32_t *cn2 = cn + STRIDE(nkeys), *jc2 = jc + STRIDE(nkeys);                        \
+        for (size_t i = 0; i < half; i++) {                                                   \
+            SCATTER_DENSE(T, i, cn, jc);                                                      \
+            SCATTER_DENSE(T, half + i, cn2, jc2);                                             \
         }                                                                                     \
-        for (i = 0; i < half; i++) {                                                          \
-            SCATTER_ONE(T, i, cursor, stop, want, seen);                                      \
-            SCATTER_ONE(T, half + i, cursor2, stop2, want2, seen2);                           \
-        }                                                                                     \
-        for (i = 2 * half; i < nwords; i++) SCATTER_ONE(T, i, cursor2, stop2, want2, seen2);  \
+        if (nwords % 2) SCATTER_DENSE(T, nwords - 1, cn2, jc2);                               \
+    }                                                                                         \
+    static void NAME##_dense(uint8_t *block, size_t nwords, int shift, uint32_t mask,         \
+                             const uint32_t *off, const uint64_t *bits, uint32_t *cn,         \
+                             uint32_t *jc, size_t nkeys, const T *delta) {                    \
+        NAME##_dense_steps(block, nwords, shift, mask, off, bits, cn, jc, nkeys, delta);      \
+    }                                                                                         \
+    /* Each key's words in the block's first half (half[e]) and in all of it (all[e]). */     \
+    static void NAME##_halves(const uint8_t *block, size_t nwords, int shift, uint32_t mask,  \
+                              int64_t *h, size_t nkeys, int64_t *half, int64_t *all) {        \
+        const T *w = (const T *)block;                                                        \
+        int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
+                *h3 = h2 + STRIDE(nkeys);                                                     \
+        size_t i = 0;                                                                         \
+        COUNT_KEYS(w, i, nwords / 2);                                                         \
+        for (size_t e = 0; e < nkeys; e++) half[e] = h0[e] + h1[e] + h2[e] + h3[e];           \
+        COUNT_KEYS(w, i, nwords);                                                             \
+        for (size_t e = 0; e < nkeys; e++) all[e] = h0[e] + h1[e] + h2[e] + h3[e];            \
     }
 
+#define CONTEXT_SCATTER_OF(NAME, T) SCATTER_SPARSE_OF(NAME, T) SCATTER_DENSE_OF(NAME, T)
 CONTEXT_SCATTER_OF(s1, uint8_t)
 CONTEXT_SCATTER_OF(s2, u16a)
 CONTEXT_SCATTER_OF(s4, u32a)
 CONTEXT_SCATTER_OF(s8, u64a)
+
+/* BF16 (key: the exponent, shift 7, 8 bits) with its shift and mask known to the compiler. */
+static void s2_sparse_bf16(uint8_t *block, size_t nwords, const uint64_t *next,
+                           uint64_t *state, const uint8_t *const *src) {
+    s2_sparse_steps(block, nwords, 7, 0xFF, next, state, src);
+}
+static void s2_dense_bf16(uint8_t *block, size_t nwords, const uint32_t *off,
+                          const uint64_t *bits, uint32_t *cn, uint32_t *jc,
+                          const uint16_t *delta) {
+    s2_dense_steps(block, nwords, 7, 0xFF, off, bits, cn, jc, 256, delta);
+}
+
+/* The moves of `count` changes as words (unzigzag of the planes' bytes), and one of 0 after. */
+#define UNZIGZAG_OF(NAME, T)                                                                  \
+    static void NAME##_moves(const uint8_t *const *src, size_t count, T *delta) {             \
+        for (size_t j = 0; j < count; j++) {                                                  \
+            T z = 0;                                                                          \
+            for (size_t b = 0; b < sizeof(T); b++) z |= (T)((T)src[b][j] << (8 * b));         \
+            delta[j] = (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1)));                             \
+        }                                                                                     \
+        delta[count] = 0;                                                                     \
+    }
+UNZIGZAG_OF(s1, uint8_t)
+UNZIGZAG_OF(s2, uint16_t)
+UNZIGZAG_OF(s4, uint32_t)
+UNZIGZAG_OF(s8, uint64_t)
+
+/* The dense walk of context_scatter: the checked ranks of each context (`rank`, int64, in
+ * table order) set as bits, then walked. The error (a static string) or NULL. */
+static const char *scatter_dense(uint8_t *block, size_t nwords, int word, int shift, int bits,
+                                 const int64_t *key, const int64_t *cnt, size_t nctx,
+                                 const int64_t *rank, size_t count, const uint8_t *const *src,
+                                 void *scratch) {
+    size_t nkeys = (size_t)1 << bits;
+    uint32_t mask = (uint32_t)(nkeys - 1);
+    /* scratch: int64 tables (4 x STRIDE), half, all; uint32 off, cn (2 x STRIDE), jc (2 x
+     * STRIDE); the bitmap; the moves */
+    int64_t *tables = scratch, *half = tables + 4 * STRIDE(nkeys), *all = half + nkeys;
+    uint32_t *off = (uint32_t *)(all + nkeys), *cn = off + nkeys, *jc = cn + 2 * STRIDE(nkeys);
+    uint64_t *bitmap = (uint64_t *)(jc + 2 * STRIDE(nkeys)); /* 8-aligned: nkeys is even */
+    void *delta = bitmap + nwords / 64 + 1;
+    switch (word) {
+    case 1: s1_halves(block, nwords, shift, mask, tables, nkeys, half, all); break;
+    case 2: s2_halves(block, nwords, shift, mask, tables, nkeys, half, all); break;
+    case 4: s4_halves(block, nwords, shift, mask, tables, nkeys, half, all); break;
+    default: s8_halves(block, nwords, shift, mask, tables, nkeys, half, all);
+    }
+    uint32_t at = 0; /* key e's ranks at bits [off[e], off[e] + all[e]) */
+    for (size_t e = 0; e < nkeys; e++) {
+        off[e] = at;
+        at += (uint32_t)all[e];
+        cn[e] = 0;
+        cn[STRIDE(nkeys) + e] = (uint32_t)half[e];
+        jc[e] = jc[STRIDE(nkeys) + e] = 0; /* keys without changes: never used */
+    }
+    int64_t first = 0;
+    for (size_t c = 0; c < nctx; c++) {
+        size_t e = (size_t)key[c];
+        int64_t end = first + cnt[c];
+        if (rank[end - 1] >= all[e]) return "context block points past the end of a context";
+        int64_t lo = first, hi = end;
+        while (lo < hi) { /* the key's first change in the second half */
+            int64_t mid = lo + (hi - lo) / 2;
+            if (rank[mid] < half[e]) lo = mid + 1;
+            else hi = mid;
+        }
+        jc[e] = (uint32_t)first;
+        jc[STRIDE(nkeys) + e] = (uint32_t)lo;
+        half[e] = lo; /* where the first walker must stop */
+        for (int64_t j = first; j < end; j++) {
+            uint64_t g = off[e] + (uint64_t)rank[j];
+            bitmap[g >> 6] |= 1ull << (g & 63);
+        }
+        first = end;
+    }
+    switch (word) {
+    case 1:
+        s1_moves(src, count, delta);
+        s1_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+        break;
+    case 2:
+        s2_moves(src, count, delta);
+        if (shift == 7 && bits == 8) s2_dense_bf16(block, nwords, off, bitmap, cn, jc, delta);
+        else s2_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+        break;
+    case 4:
+        s4_moves(src, count, delta);
+        s4_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+        break;
+    default:
+        s8_moves(src, count, delta);
+        s8_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+    }
+    /* Every set bit is met by the walker of its half: a check of the bookkeeping. */
+    first = 0;
+    for (size_t c = 0; c < nctx; c++) {
+        size_t e = (size_t)key[c];
+        first += cnt[c];
+        if (jc[e] != (uint64_t)half[e] || jc[STRIDE(nkeys) + e] != (uint64_t)first)
+            return "context block points past the end of a context";
+    }
+    return NULL;
+}
+
+static size_t scatter_dense_scratch(size_t nwords, int word, int bits, size_t count) {
+    size_t nkeys = (size_t)1 << bits;
+    return (4 * STRIDE(nkeys) + 2 * nkeys) * 8 + (nkeys + 4 * STRIDE(nkeys) + 2) * 4 +
+           (nwords / 64 + 1) * 8 + (count + 1) * (size_t)word;
+}
+
+/* The sparse walk: each context's ranks turned into the states after each change, in place
+ * (`rank` becomes next[]), then walked. */
+static const char *scatter_sparse(uint8_t *block, size_t nwords, int word, int shift, int bits,
+                                  const int64_t *key, const int64_t *cnt, size_t nctx,
+                                  int64_t *rank, const uint8_t *const *src, uint64_t *state) {
+    size_t nkeys = (size_t)1 << bits;
+    uint32_t mask = (uint32_t)(nkeys - 1);
+    for (size_t e = 0; e < nkeys; e++) state[e] = NEVER;
+    int64_t first = 0;
+    for (size_t c = 0; c < nctx; c++) {
+        int64_t end = first + cnt[c];
+        state[key[c]] = ((uint64_t)first << 32) | (uint64_t)rank[first];
+        for (int64_t j = first; j < end; j++)
+            rank[j] = (int64_t)(((uint64_t)(j + 1) << 32) |
+                                (j + 1 < end ? (uint64_t)(rank[j + 1] - rank[j] - 1) : NEVER));
+        first = end;
+    }
+    const uint64_t *next = (const uint64_t *)rank;
+    switch (word) {
+    case 1: s1_sparse(block, nwords, shift, mask, next, state, src); break;
+    case 2:
+        if (shift == 7 && bits == 8) s2_sparse_bf16(block, nwords, next, state, src);
+        else s2_sparse(block, nwords, shift, mask, next, state, src);
+        break;
+    case 4: s4_sparse(block, nwords, shift, mask, next, state, src); break;
+    default: s8_sparse(block, nwords, shift, mask, next, state, src);
+    }
+    /* A key whose changes were not all met had ranks past its words. */
+    first = 0;
+    for (size_t c = 0; c < nctx; c++) {
+        first += cnt[c];
+        if (state[key[c]] >> 32 != (uint64_t)first)
+            return "context block points past the end of a context";
+    }
+    return NULL;
+}
 
 /* context_scatter(words, word, shift, bits, keys, ks, counts, unary, remainder, planes): a
  * context block applied to `words` (writable, the base block) in place: what
@@ -1346,7 +1529,8 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     const uint8_t *src[8];
     uint8_t *zero = NULL;
     int held = 0;
-    int64_t *rank = NULL, *cursor = NULL, *stop = NULL, *seen = NULL, *want = NULL, *tables = NULL;
+    int64_t *rank = NULL;
+    void *scratch = NULL;
     if (context_args(&w, word, shift, bits) < 0) goto done;
     size_t nwords = (size_t)w.len / (size_t)word, nctx = (size_t)kb.len / 8,
            nkeys = (size_t)1 << bits;
@@ -1375,13 +1559,11 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     }
     if (take_planes(planes, (Py_ssize_t)count, word, "context_scatter", views, src, &held, &zero) < 0)
         goto done;
+    int dense = count * SCATTER_DENSE_FROM >= nwords;
     rank = malloc(count * 8);
-    cursor = malloc(2 * nkeys * 8);
-    stop = malloc(2 * nkeys * 8);
-    seen = calloc(2 * nkeys, 8);
-    want = malloc(2 * nkeys * 8);
-    tables = calloc(4 * nkeys, 8);
-    if (!rank || !cursor || !stop || !seen || !want || !tables) {
+    scratch = dense ? calloc(1, scatter_dense_scratch(nwords, word, bits, count))
+                    : malloc(nkeys * 8);
+    if (!rank || !scratch) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1390,7 +1572,6 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     if (ulen > bound) ulen = bound;
     const uint8_t *ub = u.buf, *rb = rem.buf, *rend = rb + rem.len;
     const char *error = NULL;
-    uint32_t mask = (uint32_t)((1u << bits) - 1);
     Py_BEGIN_ALLOW_THREADS
     /* Each change's rank among its context's words, from the unary and remainder streams. */
     uint64_t ubit = 0, rbit = 0;
@@ -1401,36 +1582,19 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
         rbit += (uint64_t)cnt[c] * (uint64_t)kof[c];
         first += cnt[c];
     }
-    if (!error) {
-        for (size_t e = 0; e < nkeys; e++) cursor[e] = stop[e] = 0, want[e] = -1;
-        first = 0;
-        for (size_t j = 0; j < nctx; j++) {
-            cursor[key[j]] = first;
-            stop[key[j]] = first + cnt[j];
-            want[key[j]] = rank[first];
-            first += cnt[j];
-        }
-        switch (word) {
-        case 1: s1_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src); break;
-        case 2: s2_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src); break;
-        case 4: s4_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src); break;
-        default: s8_walk(w.buf, nwords, shift, mask, rank, cursor, stop, want, seen, tables, nkeys, src);
-        }
-        for (size_t e = 0; e < 2 * nkeys && !error; e++) {
-            if (cursor[e] < stop[e]) error = "context block points past the end of a context";
-        }
-    }
+    if (!error && dense)
+        error = scatter_dense(w.buf, nwords, word, shift, bits, key, cnt, nctx, rank,
+                              (size_t)count, src, scratch);
+    else if (!error)
+        error = scatter_sparse(w.buf, nwords, word, shift, bits, key, cnt, nctx, rank, src,
+                               scratch);
     Py_END_ALLOW_THREADS
     if (error) corrupt(error);
     else result = Py_NewRef(Py_None);
 done:
     release_planes(views, held, zero);
     free(rank);
-    free(cursor);
-    free(stop);
-    free(seen);
-    free(want);
-    free(tables);
+    free(scratch);
     PyBuffer_Release(&w);
     PyBuffer_Release(&kb);
     PyBuffer_Release(&kk);

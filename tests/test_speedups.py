@@ -409,6 +409,21 @@ def test_context_scatter_refuses_damaged_streams():
     ok = "1110" + "1" * 27 + "0"  # gaps 3 and 27: ranks 3 and 31, the last word
     args = (args[0], one, args[2], int(ok.ljust(40, "0"), 2).to_bytes(5, "big"), b"", args[5])
     NATIVE.context_scatter(zeros, 2, 7, 8, *args)
+    # 8 changes in 32 words take the dense walk: ranks 0-6, then 32 (past) or 31 (the last).
+    eight = np.array([8], np.int64)
+    for last, fails in ((25, True), (24, False)):
+        bits_ = "0" * 7 + "1" * last + "0"
+        unary_ = int(bits_.ljust(40, "0"), 2).to_bytes(5, "big")
+        block = np.zeros(64, dtype=np.uint8)
+        args = (np.zeros(1, np.int64), one * 0, eight, unary_, b"", (bytes([2] * 8), None))
+        if fails:
+            with pytest.raises(CorruptPatchError, match="past the end of a context"):
+                NATIVE.context_scatter(block, 2, 7, 8, *args)
+        else:
+            NATIVE.context_scatter(block, 2, 7, 8, *args)
+            moved = np.flatnonzero(block.view(np.uint16))
+            assert list(moved) == [0, 1, 2, 3, 4, 5, 6, 31]
+            assert set(block.view(np.uint16)[moved]) == {1}  # zigzag 2: +1
 
 
 @needs_native
