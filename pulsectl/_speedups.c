@@ -404,6 +404,34 @@ static int rice_search(QuotientSums sums, const void *data, size_t n, uint64_t m
     return k;
 }
 
+/* rice_size(positions) -> (k, unary_bytes, remainder_bytes): what rice_encode would choose and
+ * the sizes of its two streams, without writing them. */
+static PyObject *rice_size(PyObject *self, PyObject *args) {
+    Py_buffer p;
+    if (!PyArg_ParseTuple(args, "y*", &p)) return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)p.len / 8;
+    if (p.len % 8 || n == 0) {
+        PyErr_SetString(PyExc_ValueError, "rice_size: positions must be non-empty int64");
+        goto done;
+    }
+    const int64_t *pos = p.buf;
+    uint64_t best_quot = 0;
+    int k;
+    Py_BEGIN_ALLOW_THREADS
+    k = rice_search(quotient_sums, pos, n, ((uint64_t)pos[n - 1] + 1 - n) / n, &best_quot);
+    Py_END_ALLOW_THREADS
+    if (k < 0) {
+        PyErr_SetString(PyExc_ValueError, "rice_size: positions must increase");
+        goto done;
+    }
+    result = Py_BuildValue("iKK", k, (unsigned long long)((best_quot + n + 7) / 8),
+                           (unsigned long long)(((uint64_t)n * k + 7) / 8));
+done:
+    PyBuffer_Release(&p);
+    return result;
+}
+
 /* rice_encode(positions) -> (k, unary, remainder): the Rice parameter with the fewest bits
  * (the smallest on a tie), the unary stream of the quotients and the k-bit remainders of the
  * gaps between the sorted positions (int64, the first gap counted from -1). */
@@ -1813,6 +1841,8 @@ static PyMethodDef methods[] = {
      "changes_planes(old, new, word) -> (positions, planes): changes and their zigzag planes."},
     {"zigzag_planes", zigzag_planes, METH_VARARGS,
      "zigzag_planes(old, new, positions, word) -> bytes: the raw value planes, plane 0 first."},
+    {"rice_size", rice_size, METH_VARARGS,
+     "rice_size(positions) -> (k, unary_bytes, remainder_bytes) that rice_encode would give."},
     {"rice_encode", rice_encode, METH_VARARGS,
      "rice_encode(positions) -> (k, unary, remainder) of the gaps of sorted int64 positions."},
     {"rice_decode", rice_decode, METH_VARARGS,

@@ -125,6 +125,9 @@ def test_rice_streams_and_decoding_agree(positions: np.ndarray):
     fast, slow = both(lambda: rice.rice_streams(positions))
     assert fast == slow  # the same k (fewest bits, smallest on a tie) and the same bytes
     k, unary, remainder = fast
+    # rice_size measures what rice_encode writes (`--level max` only measures it), both ways.
+    for size in both(lambda: rice.rice_size(positions)):
+        assert size == (k, len(unary), len(remainder))
     nwords = int(positions[-1]) + 1
     for streams_nwords in (nwords, nwords + 12345):
         decoded = NATIVE.rice_decode(unary, remainder, positions.size, k, streams_nwords)
@@ -436,6 +439,8 @@ def test_rice_encode_refuses_positions_out_of_order(positions: list[int]):
     positions, and steps whose difference wraps around 2^64, are all refused."""
     with pytest.raises(ValueError, match="increase"):
         NATIVE.rice_encode(np.array(positions, dtype=np.int64))
+    with pytest.raises(ValueError, match="increase"):
+        NATIVE.rice_size(np.array(positions, dtype=np.int64))
 
 
 @needs_native

@@ -74,20 +74,24 @@ def encode_block(
     # With the context codec on (`--level max`) codecs 3 and 5 are only its fallback: probing
     # them at a fast zstd level saves half of the encoding time and rarely changes the choice.
     probe = min(level, _PROBE_LEVEL) if key is not None else level
-    streams = rice.rice_streams(positions)
-    fits = _rice_fits(positions, streams[0])
+    streams = None
     best = None
     context_block = None
     if key is not None:
         payload = context.encode(old, new, word, positions, key, level)
         context_block = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
         # Codec 4 stores the moves of codec 5 in another order, with planes compressed alike.
-        # When its positions take no more bytes than codec 5's gaps do (nearly always: a
+        # When its positions take no more bytes than codec 5's gaps would (nearly always: a
         # word's exponent tells how likely it is to change), codec 5 would only lose: it is
-        # not built, which saves a third of the encoding time of `--level max`.
-        if fits and context.position_bytes(payload) <= len(streams[1]) + len(streams[2]):
+        # not built, which saves a third of the encoding time of `--level max`; nor are its
+        # gap streams, only measured.
+        k, unary_bytes, remainder_bytes = rice.rice_size(positions)
+        fits = _rice_fits(positions, k)
+        if fits and context.position_bytes(payload) <= unary_bytes + remainder_bytes:
             best = context_block
     if best is None:
+        streams = rice.rice_streams(positions)
+        fits = _rice_fits(positions, streams[0])
         values = change_planes(old, new, positions, word, probe, raw_planes)  # codecs 3 and 5
         best = EncodedBlock(
             CODEC_RICE,

@@ -86,6 +86,16 @@ def rice_streams(
     return k, pack_unary(gaps >> k), pack_fixed(gaps & ((1 << k) - 1), k)
 
 
+def rice_size(positions: np.ndarray) -> tuple[int, int, int]:
+    """What ``rice_streams`` would give, as (k, unary bytes, remainder bytes), without
+    writing the streams where the compiled loops are built."""
+    fast = _fast.native
+    if fast is not None and positions.flags.c_contiguous:
+        return fast.rice_size(positions.astype(np.int64, copy=False))
+    k, unary, remainder = rice_streams(positions)
+    return k, len(unary), len(remainder)
+
+
 def _streams(
     payload: bytes, word: int, nwords: int
 ) -> tuple[memoryview, int, int, memoryview, memoryview, int]:
