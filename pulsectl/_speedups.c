@@ -927,24 +927,31 @@ CONTEXT_OF(c8, u64a)
  * them mispredicted: the words between two changes are a random count) costs more than doing
  * the same work at every word. Each word's rank, key and zigzag move are stored at slot m,
  * and m moves on only where the words differ, so slot m ends up holding the m-th change.
- * Returns the number of changes. */
+ * The caller gave n positions and room for n + 1 + DENSE_CHUNK slots: the walk goes a chunk
+ * at a time and stops once it has found more than n changes, so that positions that are not
+ * the changes (too few) cannot make it write past that room. Returns the changes found (over
+ * n: more than there are positions). */
+#define DENSE_CHUNK 1024
 #define DENSE_WALK_OF(NAME, T)                                                                \
     static size_t NAME##_dense_walk(const uint8_t *block, const uint8_t *target,              \
                                     size_t nwords, int shift, uint32_t mask, int64_t *rank,   \
                                     uint16_t *keyof, uint8_t *moves, int64_t *h,              \
-                                    size_t nkeys) {                                           \
+                                    size_t nkeys, size_t n) {                                 \
         const T *w = (const T *)block, *t = (const T *)target;                                \
         T *z = (T *)moves;                                                                    \
         int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
                 *h3 = h2 + STRIDE(nkeys);                                                     \
         size_t m = 0, i = 0;                                                                  \
-        for (; i + 4 <= nwords; i += 4) {                                                     \
-            DENSE_STEP(T, i, h0);                                                             \
-            DENSE_STEP(T, i + 1, h1);                                                         \
-            DENSE_STEP(T, i + 2, h2);                                                         \
-            DENSE_STEP(T, i + 3, h3);                                                         \
+        while (i < nwords && m <= n) {                                                        \
+            size_t stop = nwords - i > DENSE_CHUNK ? i + DENSE_CHUNK : nwords;                \
+            for (; i + 4 <= stop; i += 4) {                                                   \
+                DENSE_STEP(T, i, h0);                                                         \
+                DENSE_STEP(T, i + 1, h1);                                                     \
+                DENSE_STEP(T, i + 2, h2);                                                     \
+                DENSE_STEP(T, i + 3, h3);                                                     \
+            }                                                                                 \
+            for (; i < stop; i++) DENSE_STEP(T, i, h0);                                       \
         }                                                                                     \
-        for (; i < nwords; i++) DENSE_STEP(T, i, h0);                                         \
         return m;                                                                             \
     }
 
@@ -1145,14 +1152,15 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *pos = p.buf;
-    /* The dense walk stores every word at slot m before it knows whether m moves on: one
-     * slot more than there are changes. */
-    if (reserve((void **)&ctx_scratch, &ctx_scratch_cap, (n + 1) * (18 + (size_t)word)) < 0)
+    /* The dense walk stores every word at slot m before it knows whether m moves on, and
+     * finds the changes itself: room for a chunk of slots past the changes given. */
+    size_t slots = n + 1 + DENSE_CHUNK;
+    if (reserve((void **)&ctx_scratch, &ctx_scratch_cap, slots * (18 + (size_t)word)) < 0)
         goto done;
     rank = (int64_t *)ctx_scratch;
-    gaps = (uint64_t *)(ctx_scratch + (n + 1) * 8);
-    keyof = (uint16_t *)(ctx_scratch + (n + 1) * 16);
-    moves = ctx_scratch + (n + 1) * 18;
+    gaps = (uint64_t *)(ctx_scratch + slots * 8);
+    keyof = (uint16_t *)(ctx_scratch + slots * 16);
+    moves = ctx_scratch + slots * 18;
     tables = calloc(4 * STRIDE(nkeys), 8);
     last = malloc(nkeys * 8);
     start = calloc(nkeys + 1, 8);
@@ -1180,10 +1188,10 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
     if (!bad && n * DENSE_FROM >= nwords) {
         size_t found;
         switch (word) {
-        case 1: found = c1_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys); break;
-        case 2: found = c2_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys); break;
-        case 4: found = c4_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys); break;
-        default: found = c8_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys);
+        case 1: found = c1_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
+        case 2: found = c2_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
+        case 4: found = c4_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
+        default: found = c8_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n);
         }
         /* The walk codes the words that differ: they must be the positions given. */
         if (found != n) bad = "positions are not the changed words";

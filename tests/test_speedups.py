@@ -375,6 +375,12 @@ def test_context_encode_refuses_positions_that_are_not_the_changes():
         NATIVE.context_encode(old, new, 2, 7, 8, np.arange(0, 1000, 2, dtype=np.int64))
     with pytest.raises(ValueError, match="increase"):
         NATIVE.context_encode(old, new, 2, 7, 8, np.array([5, 3], dtype=np.int64))
+    # Far fewer positions than changes: the walk stops a chunk past them instead of writing
+    # 200,000 slots into room for 20,000 (it once did: a heap overflow under AddressSanitizer).
+    old = np.zeros(2 * 200_000, dtype=np.uint8)
+    new = np.ones_like(old)
+    with pytest.raises(ValueError, match="not the changed words"):
+        NATIVE.context_encode(old, new, 2, 7, 8, np.arange(20_000, dtype=np.int64))
 
 
 @needs_native
