@@ -1,7 +1,7 @@
 """ParaBlock benchmark: a patch arriving over a rate-limited link, received then applied
 (sequential) against applied while it streams in (overlapped), and block patches.
 
-    python benchmarks/overlap.py [--size-mb 1024] [--rates 2,5,25,100,400] [--out DIR]
+    python benchmarks/overlap.py [--size-mb 1024] [--rates 2,5,match,25,100,400] [--out DIR]
 
 It writes a pair of BF16 checkpoints (N(0, 0.02) weights, ~1% of the words moved by one unit,
 like one RL step), makes the patch, then for each rate R (MB/s) measures:
@@ -11,6 +11,10 @@ like one RL step), makes the patch, then for each rate R (MB/s) measures:
 - sequential: transfer, then apply from the file;
 - overlapped: `pulsectl apply BASE -` reading the paced pipe;
 - ideal: max(transfer, compute).
+
+The rate `match` is the one at which transfer takes as long as compute (the patch's size over
+the median of three local applies, measured first), where overlap saves the most: the fixed
+rates alone would miss that case whenever `apply` gets faster or slower.
 
 and, once, a chain of block patches (`diff --blocks 4`) against the single patch. Results go
 to stdout as a table and to OUT/overlap.json; docs/BENCHMARKS.md quotes them.
@@ -103,7 +107,11 @@ def paced(patch: Path, rate: float) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024)
-    parser.add_argument("--rates", default="2,5,25,100,400")
+    parser.add_argument(
+        "--rates",
+        default="2,5,match,25,100,400",
+        help="MB/s, comma-separated; `match`: the rate at which transfer takes as long as apply",
+    )
     parser.add_argument(
         "--out", type=Path, default=Path(tempfile.gettempdir()) / "pulsectl-bench" / "overlap"
     )
@@ -121,22 +129,35 @@ def main() -> None:
     for f in (a, b, patch):
         f.read_bytes()  # page cache, as for every run below
 
-    def in_turn(*fns: Callable[[], float]) -> list[float]:
-        """The median of ``--repeat`` runs of each, taken in turn in every round (so a machine
-        that drifts during the benchmark moves all four figures of a rate alike)."""
+    def in_turn(*fns: Callable[[], float]) -> list[list[float]]:
+        """``--repeat`` runs of each, taken in turn in every round (so a machine that drifts
+        during the benchmark moves all four figures of a rate alike), each list sorted."""
         times: list[list[float]] = [[] for _ in fns]
         for _ in range(args.repeat):
             for fn, got in zip(fns, times, strict=True):
                 settle(out, received)
                 got.append(fn())
-        return [sorted(got)[len(got) // 2] for got in times]
+        return [sorted(got) for got in times]
+
+    def median(runs: list[float]) -> float:
+        return runs[len(runs) // 2]
 
     def apply_local() -> float:
         return run([pulsectl, "-q", "apply", str(a), str(patch), "-o", str(out), "-f"])
 
     apply_local()  # warm-up: the first apply after writing the inputs runs slower
+    rates = []
+    for r in args.rates.split(","):
+        if r.strip() == "match":
+            computes = []
+            for _ in range(3):
+                settle(out, received)
+                computes.append(apply_local())
+            rates.append(round(patch.stat().st_size / 1e6 / sorted(computes)[1], 1))
+        else:
+            rates.append(float(r))
     rows = []
-    for rate in (float(r) for r in args.rates.split(",")):
+    for rate in rates:
 
         def transfer(rate: float = rate) -> float:
             t0 = time.perf_counter()
@@ -161,7 +182,8 @@ def main() -> None:
                 )
             return time.perf_counter() - t0
 
-        compute, t, s, o = in_turn(apply_local, transfer, sequential, overlapped)
+        runs = in_turn(apply_local, transfer, sequential, overlapped)
+        compute, t, s, o = map(median, runs)
         assert out.read_bytes() == b.read_bytes()
         ideal = max(t, compute)
         rows.append(
@@ -174,6 +196,9 @@ def main() -> None:
                 "ideal_s": ideal,
                 "overlapped_over_ideal": o / ideal,
                 "saving_vs_sequential": 1 - o / s,
+                "runs_s": dict(
+                    zip(("compute", "transfer", "sequential", "overlapped"), runs, strict=True)
+                ),
             }
         )
 
@@ -181,7 +206,7 @@ def main() -> None:
     run([pulsectl, "-q", "diff", str(a), str(b), "--blocks", "4", "-o", str(blocks_prefix), "-f"])
     block_files = sorted(args.out.glob("blk.*.pulse"))
     chain_cmd = [pulsectl, "-q", "apply", str(a), *map(str, block_files), "-o", str(out), "-f"]
-    one, chain = in_turn(apply_local, lambda: run(chain_cmd))
+    one, chain = map(median, in_turn(apply_local, lambda: run(chain_cmd)))
     assert out.read_bytes() == b.read_bytes()
     result = {
         "size_bytes": a.stat().st_size,

@@ -849,9 +849,10 @@ done:
 /* ---------------------------------------------------------------- context codec (codec 4) */
 
 /* The loops of the context codec, one per word type. A word's key is bits [shift, shift +
- * bits) of the word read as a native (little-endian) integer. Counting keys is a chain of increments of one counter when neighbouring
- * words share a key, as they mostly do in real weights: encoding counts into four tables
- * (word i into table i % 4) and adds them where it needs a rank. */
+ * bits) of the word read as a native (little-endian) integer. Counting keys is a chain of
+ * increments of one counter when neighbouring words share a key, as they mostly do in real
+ * weights: encoding counts into four tables (word i into table i % 4) and adds them where it
+ * needs a rank. */
 /* Tables of per-key counts (or states) side by side lie STRIDE(nkeys) entries apart: not a
  * multiple of 4 KiB, at which a load waits for an unrelated store to the same offset within
  * another page (4K aliasing; 256 keys of 8 bytes put tables 0 and 2 8 KiB apart). */
