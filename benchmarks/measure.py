@@ -209,3 +209,25 @@ print(n)
 def compare_cmd(old: Path, new: Path, start: int, end: int) -> list[str]:
     """A bare compare pass: count differing BF16 words over the data region."""
     return [sys.executable, "-c", COMPARE_SCRIPT, str(old), str(new), str(start), str(end)]
+
+
+HASH_SCRIPT = """
+import sys
+import mmap
+import xxhash
+for path in sys.argv[1:]:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        h = xxhash.xxh3_128()
+        step = 1 << 24
+        for i in range(0, len(view), step):
+            h.update(view[i : i + step])
+        view.release()
+        print(h.hexdigest())
+"""
+
+
+def hash_cmd(*paths: Path) -> list[str]:
+    """Each file's xxh3-128 (pulsectl's fingerprint), read where it lies in the page cache:
+    the hashing that every patch's fingerprints require of `diff`, and of `apply` to check."""
+    return [sys.executable, "-c", HASH_SCRIPT, *map(str, paths)]

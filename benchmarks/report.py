@@ -407,6 +407,36 @@ def render(r: dict[str, Any]) -> str:
             "inflates wall times; the ratios compare commands run back to back under the same load)."
         )
         w("")
+    floors = [p for p in pairs if "startup" in p and "hash" in p]
+    if floors:
+        w(
+            "What the two references leave out (timed in the same rounds, best of them): "
+            "*start-up* is a Python that imports what `diff` and `apply` load (numpy, typer, "
+            "the codecs) and exits; *hash both* is a Python that reads both files where they "
+            "lie in the page cache and computes their xxh3-128, the fingerprints that every "
+            "patch records and `apply` checks. `apply` cannot write before it has started, "
+            "and its writes to one file go one at a time in the kernel, as `cp`'s do, so "
+            "*start-up + cp* is about the least `apply` can take on this machine, and its "
+            "ratio to `cp` about the best `apply / cp` can be."
+        )
+        w("")
+        w(
+            "| lr | k | compare s | hash both s (cpu) | diff s | diff / (compare + hash both) "
+            "| cp s | start-up s | (start-up + cp) / cp | apply s |"
+        )
+        w("|---|---|---|---|---|---|---|---|---|---|")
+        for p in floors:
+            d = p["pulsectl"].get("default", {})
+            cmp_s, hash_s, cp_s = p["compare"]["wall_s"], p["hash"]["wall_s"], p["cp"]["wall_s"]
+            up_s = p["startup"]["wall_s"]
+            diff_s = d.get("diff", {}).get("wall_s")
+            w(
+                f"| {p['lr']:g} | {p['k']} | {cmp_s:.2f} | {_run(p['hash'])} | {_f(diff_s)} | "
+                f"{_f(None if diff_s is None else diff_s / (cmp_s + hash_s), '{:.2f}x')} | "
+                f"{cp_s:.2f} | {up_s:.2f} | {(up_s + cp_s) / cp_s:.2f}x | "
+                f"{_f(d.get('apply', {}).get('wall_s'))} |"
+            )
+        w("")
     ref = pairs[0]
     w(
         f"Reference RSS: compare pass {_mb(ref['compare']['max_rss_bytes'])} MB, "

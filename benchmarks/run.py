@@ -7,7 +7,9 @@ pulsectl.synth, then for each (lr, k) diffs step_0 against step_k and measures, 
 pulsectl patch sizes (default level, and --level max when the CLI offers it), the v3.1 layout
 (encoded, decoded and checked here), zstd --patch-from, xdelta3 and full-checkpoint zstd -3
 (when installed), the empirical entropy of the change stream, and wall time and peak RSS of
-`pulsectl diff` / `pulsectl apply` against a bare compare pass and `cp` measured the same way.
+`pulsectl diff` / `pulsectl apply` against a bare compare pass and `cp` measured the same way,
+and beside them what those references leave out: the start-up of a Python that loads what
+pulsectl loads, and hashing both files (xxh3-128, the fingerprints every patch records).
 Writes docs/BENCHMARKS.md, and the raw results as JSON to OUT/benchmarks.json.
 """
 
@@ -43,6 +45,14 @@ MB = 1_000_000
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# The start-up of a `diff` or `apply`: the interpreter and the modules they load (numpy,
+# typer, the codecs), with no work after.
+STARTUP_SCRIPT = (
+    "import os; os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')\n"  # as the CLI does
+    "import pulsectl.cli.app, pulsectl.apply, pulsectl.diff"
+)
 
 
 def pulsectl_cmd() -> list[str]:
@@ -262,6 +272,9 @@ def bench_pair(
         ["cp", str(new), str(dest)],
         lambda: (dest.unlink(missing_ok=True), measure.warm(new)),
     )
+    # What the two references leave out: the tool's start-up, and hashing both files.
+    commands["startup"] = ([sys.executable, "-c", STARTUP_SCRIPT], None)
+    commands["hash"] = (measure.hash_cmd(old, new), lambda: measure.warm(old, new))
     timed = measure.in_turn(args.rounds, commands, timeout=args.pulsectl_timeout)
     dest.unlink(missing_ok=True)
     if "apply" in timed:
@@ -271,7 +284,8 @@ def bench_pair(
         if name in timed:
             default[name] = timed[name]
     rec["compare"], rec["cp"] = timed["compare"], timed["cp"]
-    rec["timing"] = "in turn: diff, compare, apply, cp in each round"
+    rec["startup"], rec["hash"] = timed["startup"], timed["hash"]
+    rec["timing"] = "in turn: diff, compare, apply, cp, startup, hash in each round"
 
     rec["loadavg_timed"] = os.getloadavg()  # right after the timed commands
 
