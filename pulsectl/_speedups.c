@@ -871,9 +871,9 @@ done:
         for (; (I) < (STOP); (I)++) h0[CONTEXT_KEY(W, I)]++;                                  \
     } while (0)
 #define CONTEXT_OF(NAME, T)                                                                   \
-    static void NAME##_ranks(const uint8_t *block, size_t nwords, int shift, uint32_t mask,   \
-                             const int64_t *pos, size_t n, int64_t *rank, int64_t *h,          \
-                             size_t nkeys) {                                                  \
+    static inline __attribute__((always_inline)) void NAME##_ranks(                          \
+        const uint8_t *block, size_t nwords, int shift, uint32_t mask, const int64_t *pos,    \
+        size_t n, int64_t *rank, int64_t *h, size_t nkeys) {                                  \
         const T *w = (const T *)block;                                                        \
         int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
                 *h3 = h2 + STRIDE(nkeys);                                                     \
@@ -911,6 +911,12 @@ CONTEXT_OF(c2, u16a)
 CONTEXT_OF(c4, u32a)
 CONTEXT_OF(c8, u64a)
 
+/* BF16 (key: the exponent, shift 7, 8 bits) with its shift and mask known to the compiler. */
+static void c2_ranks_bf16(const uint8_t *block, size_t nwords, const int64_t *pos, size_t n,
+                          int64_t *rank, int64_t *h) {
+    c2_ranks(block, nwords, 7, 0xFF, pos, n, rank, h, 256);
+}
+
 /* One word of DENSE_WALK_OF, counted in table H. */
 #define DENSE_STEP(T, I, H)                                                                   \
     do {                                                                                      \
@@ -934,7 +940,8 @@ CONTEXT_OF(c8, u64a)
  * n: more than there are positions). */
 #define DENSE_CHUNK 1024
 #define DENSE_WALK_OF(NAME, T)                                                                \
-    static size_t NAME##_dense_walk(const uint8_t *block, const uint8_t *target,              \
+    static inline __attribute__((always_inline)) size_t NAME##_dense_walk(                    \
+        const uint8_t *block, const uint8_t *target,                                          \
                                     size_t nwords, int shift, uint32_t mask, int64_t *rank,   \
                                     uint16_t *keyof, uint8_t *moves, int64_t *h,              \
                                     size_t nkeys, size_t n) {                                 \
@@ -960,6 +967,13 @@ DENSE_WALK_OF(c1, uint8_t)
 DENSE_WALK_OF(c2, u16a)
 DENSE_WALK_OF(c4, u32a)
 DENSE_WALK_OF(c8, u64a)
+
+/* BF16 (key: the exponent, shift 7, 8 bits) with its shift and mask known to the compiler. */
+static size_t c2_dense_walk_bf16(const uint8_t *block, const uint8_t *target, size_t nwords,
+                                 int64_t *rank, uint16_t *keyof, uint8_t *moves, int64_t *h,
+                                 size_t n) {
+    return c2_dense_walk(block, target, nwords, 7, 0xFF, rank, keyof, moves, h, 256, n);
+}
 
 static int context_args(Py_buffer *old, int word, int shift, int bits) {
     if (!(word == 1 || word == 2 || word == 4 || word == 8) || old->len % word || bits < 1 ||
@@ -1004,7 +1018,10 @@ static PyObject *context_ranks(PyObject *self, PyObject *args) {
         size_t nkeys = (size_t)1 << bits;
         switch (word) {
         case 1: c1_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
-        case 2: c2_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        case 2:
+            if (shift == 7 && bits == 8) c2_ranks_bf16(old.buf, nwords, pos, n, rank, tables);
+            else c2_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
+            break;
         case 4: c4_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
         default: c8_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
         }
@@ -1190,7 +1207,10 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         size_t found;
         switch (word) {
         case 1: found = c1_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
-        case 2: found = c2_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
+        case 2:
+            if (shift == 7 && bits == 8) found = c2_dense_walk_bf16(old.buf, nw.buf, nwords, rank, keyof, moves, tables, n);
+            else found = c2_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n);
+            break;
         case 4: found = c4_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
         default: found = c8_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n);
         }
@@ -1199,7 +1219,10 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
     } else if (!bad) {
         switch (word) {
         case 1: c1_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
-        case 2: c2_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
+        case 2:
+            if (shift == 7 && bits == 8) c2_ranks_bf16(old.buf, nwords, pos, n, rank, tables);
+            else c2_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
+            break;
         case 4: c4_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys); break;
         default: c8_ranks(old.buf, nwords, shift, mask, pos, n, rank, tables, nkeys);
         }
