@@ -404,30 +404,41 @@ static int rice_search(QuotientSums sums, const void *data, size_t n, uint64_t m
     return k;
 }
 
+/* The Rice parameter k of the sorted int64 positions in p (the fewest bits, the smallest on a
+ * tie), their count n and the sum of their gaps' quotients at k: 0, or -1 with ValueError set
+ * (`who` names the caller). The gaps add up to the last position + 1 - n: their mean is known
+ * without a pass. */
+static int rice_plan(Py_buffer *p, const char *who, size_t *n, int *k, uint64_t *quotients) {
+    *n = (size_t)p->len / 8;
+    if (p->len % 8 || *n == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: positions must be non-empty int64", who);
+        return -1;
+    }
+    const int64_t *pos = p->buf;
+    size_t count = *n;
+    Py_BEGIN_ALLOW_THREADS
+    *k = rice_search(quotient_sums, pos, count, ((uint64_t)pos[count - 1] + 1 - count) / count,
+                     quotients);
+    Py_END_ALLOW_THREADS
+    if (*k < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: positions must increase", who);
+        return -1;
+    }
+    return 0;
+}
+
 /* rice_size(positions) -> (k, unary_bytes, remainder_bytes): what rice_encode would choose and
  * the sizes of its two streams, without writing them. */
 static PyObject *rice_size(PyObject *self, PyObject *args) {
     Py_buffer p;
     if (!PyArg_ParseTuple(args, "y*", &p)) return NULL;
     PyObject *result = NULL;
-    size_t n = (size_t)p.len / 8;
-    if (p.len % 8 || n == 0) {
-        PyErr_SetString(PyExc_ValueError, "rice_size: positions must be non-empty int64");
-        goto done;
-    }
-    const int64_t *pos = p.buf;
-    uint64_t best_quot = 0;
+    size_t n;
     int k;
-    Py_BEGIN_ALLOW_THREADS
-    k = rice_search(quotient_sums, pos, n, ((uint64_t)pos[n - 1] + 1 - n) / n, &best_quot);
-    Py_END_ALLOW_THREADS
-    if (k < 0) {
-        PyErr_SetString(PyExc_ValueError, "rice_size: positions must increase");
-        goto done;
-    }
-    result = Py_BuildValue("iKK", k, (unsigned long long)((best_quot + n + 7) / 8),
-                           (unsigned long long)(((uint64_t)n * k + 7) / 8));
-done:
+    uint64_t best_quot = 0;
+    if (rice_plan(&p, "rice_size", &n, &k, &best_quot) == 0)
+        result = Py_BuildValue("iKK", k, (unsigned long long)((best_quot + n + 7) / 8),
+                               (unsigned long long)(((uint64_t)n * k + 7) / 8));
     PyBuffer_Release(&p);
     return result;
 }
@@ -439,22 +450,11 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     Py_buffer p;
     if (!PyArg_ParseTuple(args, "y*", &p)) return NULL;
     PyObject *result = NULL, *unary = NULL, *remainder = NULL;
-    size_t n = (size_t)p.len / 8;
-    if (p.len % 8 || n == 0) {
-        PyErr_SetString(PyExc_ValueError, "rice_encode: positions must be non-empty int64");
-        goto done;
-    }
-    const int64_t *pos = p.buf;
-    /* The gaps add up to the last position + 1 - n: their mean is known without a pass. */
-    uint64_t best_quot = 0;
+    size_t n;
     int k;
-    Py_BEGIN_ALLOW_THREADS
-    k = rice_search(quotient_sums, pos, n, ((uint64_t)pos[n - 1] + 1 - n) / n, &best_quot);
-    Py_END_ALLOW_THREADS
-    if (k < 0) {
-        PyErr_SetString(PyExc_ValueError, "rice_encode: positions must increase");
-        goto done;
-    }
+    uint64_t best_quot = 0;
+    if (rice_plan(&p, "rice_encode", &n, &k, &best_quot) < 0) goto done;
+    const int64_t *pos = p.buf;
     unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((best_quot + n + 7) / 8));
     remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)n * k + 7) / 8));
     if (!unary || !remainder) goto done;
