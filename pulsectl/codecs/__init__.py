@@ -74,9 +74,9 @@ def encode_block(
     # With the context codec on (`--level max`) codecs 3 and 5 are only its fallback: probing
     # them at a fast zstd level saves half of the encoding time and rarely changes the choice.
     probe = min(level, _PROBE_LEVEL) if key is not None else level
-    streams = None
     best = None
     context_block = None
+    fits = None  # whether one Rice parameter codes the gaps well (codec 3 is tried if not)
     if key is not None:
         payload = context.encode(old, new, word, positions, key, level)
         context_block = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
@@ -91,7 +91,8 @@ def encode_block(
             best = context_block
     if best is None:
         streams = rice.rice_streams(positions)
-        fits = _rice_fits(positions, streams[0])
+        if fits is None:
+            fits = _rice_fits(positions, streams[0])
         values = change_planes(old, new, positions, word, probe, raw_planes)  # codecs 3 and 5
         best = EncodedBlock(
             CODEC_RICE,
