@@ -153,13 +153,11 @@ CHANGES_OF(w2, u16a)
 CHANGES_OF(w4, u32a)
 CHANGES_OF(w8, u64a)
 
-/* Each thread lists into its own scratch buffers, kept between calls (room for every word of
- * the largest block seen: only the pages a listing reaches are ever touched), and the results
- * are copies of what was found. */
+/* changes() lists into a scratch buffer of its thread, kept between calls (room for every word
+ * of the largest block seen: only the pages a listing reaches are ever touched), and returns a
+ * copy of what was found. */
 static __thread int64_t *scratch = NULL;
 static __thread size_t scratch_cap = 0;
-static __thread uint8_t *plane_scratch = NULL;
-static __thread size_t plane_scratch_cap = 0;
 
 /* At least `size` bytes in *buf (its capacity in *cap); -1 with MemoryError set if not. */
 static int reserve(void **buf, size_t *cap, size_t size) {
@@ -174,9 +172,8 @@ static int reserve(void **buf, size_t *cap, size_t size) {
     return 0;
 }
 
-/* The listing of changes() and changes_planes(): the number of changed words, or -1 with an
- * exception set. */
-static Py_ssize_t list_changes(Py_buffer *a, Py_buffer *b, int word, int with_planes) {
+/* The listing of changes(): the number of changed words, or -1 with an exception set. */
+static Py_ssize_t list_changes(Py_buffer *a, Py_buffer *b, int word) {
     if (a->len != b->len || !(word == 1 || word == 2 || word == 4 || word == 8) ||
         a->len % word) {
         PyErr_SetString(PyExc_ValueError, "changes: blocks of different sizes or a bad word");
@@ -184,16 +181,12 @@ static Py_ssize_t list_changes(Py_buffer *a, Py_buffer *b, int word, int with_pl
     }
     size_t nwords = (size_t)a->len / (size_t)word, stride = nwords + 1, count;
     if (reserve((void **)&scratch, &scratch_cap, stride * sizeof(int64_t)) < 0) return -1;
-    if (with_planes &&
-        reserve((void **)&plane_scratch, &plane_scratch_cap, stride * (size_t)word) < 0)
-        return -1;
-    uint8_t *planes = with_planes ? plane_scratch : NULL;
     Py_BEGIN_ALLOW_THREADS
     switch (word) {
-    case 1: count = w1_list(a->buf, b->buf, nwords, scratch, planes, stride); break;
-    case 2: count = w2_list(a->buf, b->buf, nwords, scratch, planes, stride); break;
-    case 4: count = w4_list(a->buf, b->buf, nwords, scratch, planes, stride); break;
-    default: count = w8_list(a->buf, b->buf, nwords, scratch, planes, stride);
+    case 1: count = w1_list(a->buf, b->buf, nwords, scratch, NULL, stride); break;
+    case 2: count = w2_list(a->buf, b->buf, nwords, scratch, NULL, stride); break;
+    case 4: count = w4_list(a->buf, b->buf, nwords, scratch, NULL, stride); break;
+    default: count = w8_list(a->buf, b->buf, nwords, scratch, NULL, stride);
     }
     Py_END_ALLOW_THREADS
     return (Py_ssize_t)count;
@@ -204,7 +197,7 @@ static PyObject *changes(PyObject *self, PyObject *args) {
     Py_buffer a, b;
     int word;
     if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
-    Py_ssize_t count = list_changes(&a, &b, word, 0);
+    Py_ssize_t count = list_changes(&a, &b, word);
     PyObject *result =
         count < 0 ? NULL : PyByteArray_FromStringAndSize((const char *)scratch, count * 8);
     PyBuffer_Release(&a);
@@ -212,28 +205,40 @@ static PyObject *changes(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* changes_planes(old, new, word) -> (positions, planes): `changes` and `zigzag_planes` in one
- * pass; planes is word * len(positions) bytes, plane 0 first. */
-static PyObject *changes_planes(PyObject *self, PyObject *args) {
-    Py_buffer a, b;
+/* changes_into(old, new, word, positions, planes) -> count: the indices of the words that
+ * differ, and the zigzag planes of their moves, into the caller's buffers. `positions` (writable, int64) has room for cap >= nwords + 1
+ * indices; `planes` (writable) holds `word` planes of cap bytes each, plane p at p * cap. The
+ * first count entries of each are the results; the rest of the buffers is scratch. Worker
+ * threads keep such buffers between blocks, so no fresh pages are touched for each block. */
+static PyObject *changes_into(PyObject *self, PyObject *args) {
+    Py_buffer a, b, p, q;
     int word;
-    if (!PyArg_ParseTuple(args, "y*y*i", &a, &b, &word)) return NULL;
-    PyObject *positions = NULL, *planes = NULL, *result = NULL;
-    Py_ssize_t count = list_changes(&a, &b, word, 1);
-    if (count < 0) goto done;
-    size_t stride = (size_t)a.len / (size_t)word + 1;
-    positions = PyByteArray_FromStringAndSize((const char *)scratch, count * 8);
-    planes = PyBytes_FromStringAndSize(NULL, count * word);
-    if (!positions || !planes) goto done;
-    for (int p = 0; p < word; p++)
-        memcpy(PyBytes_AS_STRING(planes) + (size_t)p * (size_t)count,
-               plane_scratch + (size_t)p * stride, (size_t)count);
-    result = PyTuple_Pack(2, positions, planes);
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*", &a, &b, &word, &p, &q)) return NULL;
+    PyObject *result = NULL;
+    if (a.len != b.len || !(word == 1 || word == 2 || word == 4 || word == 8) || a.len % word) {
+        PyErr_SetString(PyExc_ValueError, "changes_into: blocks of different sizes or a bad word");
+        goto done;
+    }
+    size_t nwords = (size_t)a.len / (size_t)word, cap = (size_t)p.len / 8, count;
+    if (cap < nwords + 1 || (size_t)q.len < cap * (size_t)word ||
+        ((uintptr_t)p.buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, "changes_into: output buffers too small or unaligned");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    switch (word) {
+    case 1: count = w1_list(a.buf, b.buf, nwords, p.buf, q.buf, cap); break;
+    case 2: count = w2_list(a.buf, b.buf, nwords, p.buf, q.buf, cap); break;
+    case 4: count = w4_list(a.buf, b.buf, nwords, p.buf, q.buf, cap); break;
+    default: count = w8_list(a.buf, b.buf, nwords, p.buf, q.buf, cap);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSize_t(count);
 done:
-    Py_XDECREF(positions);
-    Py_XDECREF(planes);
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&q);
     return result;
 }
 
@@ -1871,8 +1876,10 @@ static PyObject *set_corrupt_error(PyObject *self, PyObject *cls) {
 static PyMethodDef methods[] = {
     {"changes", changes, METH_VARARGS,
      "changes(old, new, word) -> bytearray of int64: the indices of the words that differ."},
-    {"changes_planes", changes_planes, METH_VARARGS,
-     "changes_planes(old, new, word) -> (positions, planes): changes and their zigzag planes."},
+    {"changes_into", changes_into, METH_VARARGS,
+     "changes_into(old, new, word, positions, planes) -> count: the changed words and the "
+     "zigzag planes of their moves, into the caller's buffers (room for len(old) // word + 1 entries; planes len(positions) // 8 "
+     "apart)."},
     {"zigzag_planes", zigzag_planes, METH_VARARGS,
      "zigzag_planes(old, new, positions, word) -> bytes: the raw value planes, plane 0 first."},
     {"rice_size", rice_size, METH_VARARGS,

@@ -106,6 +106,52 @@ def test_find_changes_and_encode_block_agree(pair: tuple[np.ndarray, np.ndarray,
         assert planes[0] == planes[1]
 
 
+def expected_planes(old: np.ndarray, new: np.ndarray, word: int) -> tuple[np.ndarray, list[bytes]]:
+    """Changed positions and the raw zigzag planes of their moves, by numpy."""
+    utype, stype = UINT_OF_WORD[word], np.dtype(f"i{word}")
+    positions = np.flatnonzero(old.view(utype) != new.view(utype))
+    signed = (new.view(utype)[positions] - old.view(utype)[positions]).view(stype)
+    zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
+    raw = zigzag.view(np.uint8).reshape(-1, word)
+    return positions, [raw[:, p].tobytes() for p in range(word)]
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.lists(block_pairs(), min_size=1, max_size=4))
+def test_listing_into_reused_buffers(pairs: list[tuple[np.ndarray, np.ndarray, int]]):
+    """encode_block lists changes into buffers its thread keeps from block to block: blocks of
+    other sizes and word widths in between must not leave anything behind in the results."""
+    from pulsectl.codecs import _list_changes
+
+    for old, new, word in pairs:
+        positions, planes = _list_changes(old, new, word)
+        want_positions, want_planes = expected_planes(old, new, word)
+        assert np.array_equal(positions, want_positions)
+        assert [bytes(p) for p in planes] == want_planes
+
+
+@needs_native
+def test_listing_into_refuses_buffers_that_are_too_small():
+    old = np.zeros(64, np.uint8)
+    new = np.ones(64, np.uint8)
+    room = 64 // 2 + 1
+    assert (
+        NATIVE.changes_into(old, new, 2, np.empty(room, np.int64), np.empty(2 * room, np.uint8))
+        == 32
+    )
+    with pytest.raises(ValueError, match="too small"):
+        NATIVE.changes_into(old, new, 2, np.empty(room - 1, np.int64), np.empty(2 * room, np.uint8))
+    with pytest.raises(ValueError, match="too small"):
+        NATIVE.changes_into(old, new, 2, np.empty(room, np.int64), np.empty(2 * room - 1, np.uint8))
+    with pytest.raises(ValueError):
+        NATIVE.changes_into(
+            old, new[:62], 2, np.empty(room, np.int64), np.empty(2 * room, np.uint8)
+        )
+    with pytest.raises(TypeError):  # the outputs must be writable
+        NATIVE.changes_into(old, new, 2, bytes(8 * room), np.empty(2 * room, np.uint8))
+
+
 @st.composite
 def sorted_positions(draw: st.DrawFn) -> np.ndarray:
     count = draw(st.integers(1, 3000))

@@ -4,12 +4,17 @@ streams, the Rice parameter, length-prefixed sections and the zigzag value plane
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pulsectl import _zstd
 from pulsectl.codecs import _fast
 from pulsectl.errors import CorruptPatchError
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer  # Python 3.12+; annotations only
 
 MAX_RICE_K = 31
 # The unsigned integer type of each word width: words are compared, moved and scattered as these.
@@ -164,20 +169,21 @@ def change_planes(
     positions: np.ndarray,
     word: int,
     level: int,
-    raw: bytes | None = None,
+    raw: Sequence[Buffer] | None = None,
 ) -> list[bytes]:
     """``value_planes`` of the moves of the words at ``positions`` from ``old`` to ``new``;
-    ``raw``, when given, holds those planes uncompressed (from ``_speedups.changes_planes``)."""
+    ``raw``, when given, holds those planes uncompressed, plane 0 first (as
+    ``_speedups.changes_into`` lists them)."""
     fast = _fast.native
     if raw is None:
         if fast is None or not (old.flags.c_contiguous and new.flags.c_contiguous):
             utype = _UINT[word]
             moved = new.view(utype)[positions] - old.view(utype)[positions]
             return value_planes(moved, word, level)
-        raw = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
-    count = positions.size
-    planes = [memoryview(raw)[p * count : (p + 1) * count] for p in range(word)]
-    return [compress_plane(plane, level) for plane in planes]
+        joined = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
+        count = positions.size
+        raw = [memoryview(joined)[p * count : (p + 1) * count] for p in range(word)]
+    return [compress_plane(memoryview(plane), level) for plane in raw]
 
 
 def compress_plane(plane: memoryview, level: int) -> bytes:
