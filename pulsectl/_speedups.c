@@ -169,16 +169,16 @@ CHANGES_OF(w8, u64a)
 #if HAVE_AVX512_LOOPS
 /* w2_list with planes, on AVX-512: per 32 words, one compare gives the mask of the changed
  * ones; their zigzag moves are compressed to the front of a register and split into the two
- * planes; their indices are compressed 8 at a time. Every store is a whole register at
- * `count`, which is never past the first word of the span, so it ends inside the span's own
- * room: the buffers need no more than the portable loop's. No branch depends on the data but
- * the skip of an equal span. */
+ * planes, and so are their indices. Every store is a whole register at or after `count`, which
+ * is never past the first word of the span, and ends inside the span's own room: the buffers
+ * need no more than the portable loop's. */
 static AVX512_TARGET size_t w2_list_avx512(const uint8_t *a, const uint8_t *b, size_t nwords,
                                            int64_t *restrict out, uint8_t *restrict planes,
                                            size_t stride) {
     size_t count = 0, i = 0;
-    const __m512i iota = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i eight = _mm512_set1_epi64(8);
+    const __m512i iota16 = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19,
+                                            18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                            4, 3, 2, 1, 0);
     for (; i + 32 <= nwords; i += 32) {
         __builtin_prefetch(a + 2 * i + PREFETCH_AHEAD);
         __builtin_prefetch(b + 2 * i + PREFETCH_AHEAD);
@@ -192,13 +192,27 @@ static AVX512_TARGET size_t w2_list_avx512(const uint8_t *a, const uint8_t *b, s
         _mm256_storeu_si256((__m256i *)(planes + count), _mm512_cvtepi16_epi8(packed));
         _mm256_storeu_si256((__m256i *)(planes + stride + count),
                             _mm512_cvtepi16_epi8(_mm512_srli_epi16(packed, 8)));
-        __m512i index = _mm512_add_epi64(_mm512_set1_epi64((long long)i), iota);
-        for (int g = 0; g < 4; g++) {
-            __mmask8 mg = (__mmask8)(m >> (8 * g));
-            _mm512_storeu_si512((void *)(out + count), _mm512_maskz_compress_epi64(mg, index));
-            count += (size_t)__builtin_popcount(mg);
-            index = _mm512_add_epi64(index, eight);
+        /* The indices within the span, compressed as 16-bit lanes, then widened 8 at a time
+         * and offset by i: one store where the span has at most 8 changes (nearly every one
+         * when few words change), four otherwise. */
+        __m512i lanes = _mm512_maskz_compress_epi16(m, iota16);
+        __m512i base = _mm512_set1_epi64((long long)i);
+        _mm512_storeu_si512((void *)(out + count),
+                            _mm512_add_epi64(base, _mm512_cvtepu16_epi64(
+                                                       _mm512_castsi512_si128(lanes))));
+        size_t found = (size_t)__builtin_popcount(m);
+        if (found > 8) {
+            _mm512_storeu_si512((void *)(out + count + 8),
+                                _mm512_add_epi64(base, _mm512_cvtepu16_epi64(
+                                                           _mm512_extracti32x4_epi32(lanes, 1))));
+            _mm512_storeu_si512((void *)(out + count + 16),
+                                _mm512_add_epi64(base, _mm512_cvtepu16_epi64(
+                                                           _mm512_extracti32x4_epi32(lanes, 2))));
+            _mm512_storeu_si512((void *)(out + count + 24),
+                                _mm512_add_epi64(base, _mm512_cvtepu16_epi64(
+                                                           _mm512_extracti32x4_epi32(lanes, 3))));
         }
+        count += found;
     }
     for (; i < nwords; i++) { /* the last words, fewer than 32 */
         uint16_t x, y;
@@ -418,7 +432,9 @@ static inline void store_zeros(uint8_t *buf, size_t size, uint64_t index, uint64
 
 /* out[j] = sum over the gaps g of g >> (from + j), for j < count <= 5; returns whether the
  * positions increase (the sums are meaningless where they do not). */
-static int quotient_sums(const void *positions, size_t n, int from, int count, uint64_t *out) {
+static inline __attribute__((always_inline)) int quotient_sums_body(const void *positions,
+                                                                   size_t n, int from,
+                                                                   int count, uint64_t *out) {
     const int64_t *pos = positions;
     uint64_t g = (uint64_t)pos[0]; /* the first gap counts from -1 */
     uint64_t s0 = g >> from, s1 = g >> (from + 1), s2 = g >> (from + 2), s3 = g >> (from + 3),
@@ -440,6 +456,24 @@ static int quotient_sums(const void *positions, size_t n, int from, int count, u
     uint64_t part[5] = {s0, s1, s2, s3, s4};
     for (int j = 0; j < count; j++) out[j] = part[j];
     return !(signs >> 63);
+}
+
+/* The loop above vectorises: compiled for AVX-512 too, it sums 8 gaps at a time. */
+static int quotient_sums_portable(const void *positions, size_t n, int from, int count,
+                                  uint64_t *out) {
+    return quotient_sums_body(positions, n, from, count, out);
+}
+#if HAVE_AVX512_LOOPS
+static AVX512_TARGET int quotient_sums_avx512(const void *positions, size_t n, int from,
+                                              int count, uint64_t *out) {
+    return quotient_sums_body(positions, n, from, count, out);
+}
+#endif
+static int quotient_sums(const void *positions, size_t n, int from, int count, uint64_t *out) {
+#if HAVE_AVX512_LOOPS
+    if (use_avx512) return quotient_sums_avx512(positions, n, from, count, out);
+#endif
+    return quotient_sums_portable(positions, n, from, count, out);
 }
 
 static int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
