@@ -552,6 +552,57 @@ static PyObject *rice_size(PyObject *self, PyObject *args) {
     return result;
 }
 
+#if HAVE_AVX512_LOOPS
+/* The zeros of rice_encode's unary stream for the first codes of the increasing positions pos
+ * (n >= 8), 8 codes at a time: their gaps, quotients and a running sum give the 8 bits to
+ * clear; an OR-scan over lanes that fall in the same 64-bit word of the stream gathers each
+ * word's zeros, and every word that ends in a lane is stored whole (the stream starts as all
+ * ones). A word that goes on into the next 8 codes is stored again then, with all its zeros.
+ * Returns how many codes are done; *end is the bit of the last one's zero. */
+static AVX512_TARGET size_t unary_zeros_avx512(uint8_t *buf, const int64_t *pos, size_t n, int k,
+                                              uint64_t *end) {
+    const __m512i one = _mm512_set1_epi64(1), low6 = _mm512_set1_epi64(63);
+    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
+    const __m512i last_lane = _mm512_set1_epi64(7);
+    /* The bytes of each 64-bit lane reversed: bit 63 of a word is the first bit in the stream. */
+    const __m512i reverse = _mm512_set4_epi32(0x08090a0b, 0x0c0d0e0f, 0x00010203, 0x04050607);
+    const __m128i shift = _mm_cvtsi32_si128(k);
+    __m512i before = none;              /* lane 7: the position before the next 8 (-1 first) */
+    __m512i at = none;                  /* every lane: the zero of the code before the next 8 */
+    __m512i held_word = none, held = zero; /* the last word stored, and its zeros so far */
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512i p = _mm512_loadu_si512((const void *)(pos + i));
+        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, _mm512_alignr_epi64(p, before, 7)), one);
+        before = p;
+        __m512i step = _mm512_add_epi64(_mm512_srl_epi64(gaps, shift), one);
+        step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 7));
+        step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 6));
+        step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 4));
+        __m512i ends = _mm512_add_epi64(at, step);
+        at = _mm512_permutexvar_epi64(last_lane, ends);
+        __m512i words = _mm512_srli_epi64(ends, 6);
+        __m512i bits = _mm512_sllv_epi64(one, _mm512_sub_epi64(low6, _mm512_and_si512(ends, low6)));
+        /* Words never decrease from lane to lane: an inclusive scan gathers a word's bits in
+         * the last of its lanes. */
+        __mmask8 same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 7));
+        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 7));
+        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 6));
+        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 6));
+        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 4));
+        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 4));
+        bits = _mm512_mask_or_epi64(bits, _mm512_cmpeq_epi64_mask(words, held_word), bits, held);
+        __mmask8 last = _mm512_cmpneq_epi64_mask(words, _mm512_alignr_epi64(none, words, 1));
+        __m512i value = _mm512_shuffle_epi8(_mm512_xor_si512(bits, none), reverse);
+        _mm512_mask_i64scatter_epi64((void *)buf, last, words, value, 8);
+        held_word = _mm512_permutexvar_epi64(last_lane, words);
+        held = _mm512_permutexvar_epi64(last_lane, bits);
+    }
+    *end = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(at));
+    return i;
+}
+#endif
+
 /* rice_encode(positions) -> (k, unary, remainder): the Rice parameter with the fewest bits
  * (the smallest on a tie), the unary stream of the quotients and the k-bit remainders of the
  * gaps between the sorted positions (int64, the first gap counted from -1). */
@@ -564,30 +615,36 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     uint64_t best_quot = 0;
     if (rice_plan(&p, "rice_encode", &n, &k, &best_quot) < 0) goto done;
     const int64_t *pos = p.buf;
-    unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((best_quot + n + 7) / 8));
+    /* The stream is written as whole 64-bit words: room for the last one, cut off after. */
+    size_t ubytes = (size_t)((best_quot + n + 7) / 8), padded = (ubytes + 7) & ~(size_t)7;
+    unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)padded);
     remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)n * k + 7) / 8));
     if (!unary || !remainder) goto done;
     uint8_t *ubuf = (uint8_t *)PyBytes_AS_STRING(unary);
-    size_t ubytes = (size_t)PyBytes_GET_SIZE(unary);
     BitWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     /* The unary stream is all one-bits but for the zero that ends each code, at bit
      * q[0] + ... + q[i] + i: start from ones and clear those bits, then the padding. */
-    memset(ubuf, 0xFF, ubytes);
+    memset(ubuf, 0xFF, padded);
+    size_t i = 0;
+    uint64_t end = UINT64_MAX; /* the zero of code i - 1 (code -1's at bit -1) */
+#if HAVE_AVX512_LOOPS
+    if (use_avx512 && n >= 8) i = unary_zeros_avx512(ubuf, pos, n, k, &end);
+#endif
     /* Zeros are gathered 64 bits at a time (bit 63 - e % 64 of word e / 64) and each word
      * that has any is stored once; words between them stay all ones. */
-    uint64_t end = (uint64_t)pos[0] >> k; /* the first code's zero: bit q[0] */
-    uint64_t word_at = end >> 6, zeros = 1ull << (63 - (end & 63));
-    for (size_t i = 1; i < n; i++) {
-        end += ((uint64_t)(pos[i] - pos[i - 1] - 1) >> k) + 1;
+    uint64_t word_at = 0, zeros = 0;
+    for (; i < n; i++) {
+        uint64_t gap = (uint64_t)pos[i] - (i ? (uint64_t)pos[i - 1] : UINT64_MAX) - 1;
+        end += (gap >> k) + 1;
         if ((end >> 6) != word_at) {
-            store_zeros(ubuf, ubytes, word_at, zeros);
+            if (zeros) store_zeros(ubuf, padded, word_at, zeros);
             word_at = end >> 6;
             zeros = 0;
         }
         zeros |= 1ull << (63 - (end & 63));
     }
-    store_zeros(ubuf, ubytes, word_at, zeros);
+    if (zeros) store_zeros(ubuf, padded, word_at, zeros);
     if ((end + 1) & 7) ubuf[ubytes - 1] &= (uint8_t)(0xFF00u >> ((end + 1) & 7));
     if (k) {
         uint64_t low = (1ull << k) - 1;
@@ -599,6 +656,7 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
         flush_bits(&r);
     }
     Py_END_ALLOW_THREADS
+    if (padded != ubytes && _PyBytes_Resize(&unary, (Py_ssize_t)ubytes) < 0) goto done;
     result = Py_BuildValue("iOO", k, unary, remainder);
 done:
     Py_XDECREF(unary);
