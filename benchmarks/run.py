@@ -110,7 +110,9 @@ def tool_versions() -> dict[str, str | None]:
         "pulsectl": __version__,
         "python-zstandard": zstandard.__version__,
         # the compiled inner loops (pulsectl/_speedups.c), or the numpy fallback
-        "speedups": "compiled" if _fast.native is not None else "numpy fallback",
+        "speedups": "numpy fallback"
+        if _fast.native is None
+        else f"compiled ({_fast.native.simd(None)} loops)",
     }
     for tool, flag in (("zstd", "--version"), ("xdelta3", "-V")):
         path = measure.which(tool)

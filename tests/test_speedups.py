@@ -306,12 +306,14 @@ def _added(old: np.ndarray, at: np.ndarray, moves: np.ndarray, word: int) -> np.
 
 @needs_native
 def test_cli_writes_the_same_patch_without_the_extension(tmp_path: Path, chain: list[Path]):
-    """End to end through the CLI: PULSECTL_PURE_PYTHON=1 gives the same patch bytes."""
+    """End to end through the CLI: PULSECTL_PURE_PYTHON=1 (numpy) and PULSECTL_NO_AVX512=1 (the
+    portable C loops) give the same patch bytes."""
     base, target = chain[0], chain[-1]
     patches = []
-    for pure in ("0", "1"):
+    for pure in ("0", "1", "portable"):
         out = tmp_path / f"p{pure}.pulse"
-        env = {**os.environ, "PULSECTL_PURE_PYTHON": pure}
+        env = {**os.environ, "PULSECTL_PURE_PYTHON": "1" if pure == "1" else "0"}
+        env["PULSECTL_NO_AVX512"] = "1" if pure == "portable" else "0"
         subprocess.run(
             [sys.executable, "-m", "pulsectl", "diff", str(base), str(target), "-o", str(out)],
             check=True,
@@ -327,7 +329,24 @@ def test_cli_writes_the_same_patch_without_the_extension(tmp_path: Path, chain: 
             capture_output=True,
         )
         assert restored.read_bytes() == Path(target).read_bytes()
-    assert patches[0] == patches[1]
+    assert patches[0] == patches[1] == patches[2]
+
+
+@needs_native
+def test_no_avx512_keeps_the_portable_loops():
+    def loops(value: str) -> str:
+        code = "from pulsectl.codecs import _fast; print(_fast.native.simd(None))"
+        env = {**os.environ, "PULSECTL_NO_AVX512": value}
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+        )
+        return run.stdout.strip()
+
+    saved = NATIVE.simd(None)
+    available = NATIVE.simd(True)  # "avx512" where this CPU has it
+    NATIVE.simd(saved == "avx512")
+    assert loops("1") == "portable"
+    assert loops("0") == available
 
 
 CONTEXT_KEYS = {1: (3, 4), 2: (7, 8), 4: (23, 8), 8: (52, 11)}

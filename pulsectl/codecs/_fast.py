@@ -3,6 +3,9 @@
 The extension is built at install when a C compiler is present; every function in it gives the
 bytes of the numpy code it replaces (the tests run both and compare). ``PULSECTL_PURE_PYTHON=1``
 turns it off, e.g. to rule it out when chasing a bug.
+
+On x86-64 CPUs with AVX-512 (and VBMI2) a few loops run in an AVX-512 version, chosen at import;
+``PULSECTL_NO_AVX512=1`` keeps the portable loops (same bytes; the tests run both).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def _load() -> ModuleType | None:
     except ImportError:
         return None
     _speedups.set_corrupt_error(CorruptPatchError)
+    if os.environ.get("PULSECTL_NO_AVX512", "") not in ("", "0"):
+        _speedups.simd(False)
     return _speedups
 
 
