@@ -603,6 +603,64 @@ static AVX512_TARGET size_t unary_zeros_avx512(uint8_t *buf, const int64_t *pos,
 }
 #endif
 
+#if HAVE_AVX512_LOOPS
+/* The k-bit remainders (1 <= k <= 31) of the first gaps of the increasing positions pos
+ * (n >= 8), 8 at a time, into buf as whole 64-bit words, most significant bit first: the
+ * remainder of code j takes bits [j k, j k + k); where it runs past its word, the bits that
+ * spill over go to the next lane's word. Lanes that share a word are ORed together as in
+ * unary_zeros_avx512, and each word is stored whole (buf need not be cleared). Returns how
+ * many codes are done (a multiple of 8); the bits after them in their last word are zero. */
+static AVX512_TARGET size_t remainders_avx512(uint8_t *buf, const int64_t *pos, size_t n, int k) {
+    const __m512i one = _mm512_set1_epi64(1), low6 = _mm512_set1_epi64(63);
+    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
+    const __m512i last_lane = _mm512_set1_epi64(7), sixty_four = _mm512_set1_epi64(64);
+    const __m512i reverse = _mm512_set4_epi32(0x08090a0b, 0x0c0d0e0f, 0x00010203, 0x04050607);
+    const __m512i low = _mm512_set1_epi64((long long)((1ull << k) - 1));
+    const __m128i up = _mm_cvtsi32_si128(64 - k);
+    const __m512i step = _mm512_set1_epi64(8 * (long long)k);
+    const long long kk = k;
+    __m512i at = _mm512_set_epi64(7 * kk, 6 * kk, 5 * kk, 4 * kk, 3 * kk, 2 * kk, kk,
+                                  0); /* each lane's first bit */
+    __m512i before = none, held_word = none, held = zero, spill = zero;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512i p = _mm512_loadu_si512((const void *)(pos + i));
+        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, _mm512_alignr_epi64(p, before, 7)), one);
+        before = p;
+        __m512i top = _mm512_sll_epi64(_mm512_and_si512(gaps, low), up); /* at bit 63 down */
+        __m512i words = _mm512_srli_epi64(at, 6), off = _mm512_and_si512(at, low6);
+        __m512i bits = _mm512_srlv_epi64(top, off);
+        __m512i over = _mm512_sllv_epi64(top, _mm512_sub_epi64(sixty_four, off)); /* 0 if none */
+        /* A lane's spill goes to the next lane's word (the next code starts in it); the last
+         * lane's to the first lane of the next 8. */
+        bits = _mm512_or_si512(bits, _mm512_alignr_epi64(over, spill, 7));
+        spill = _mm512_permutexvar_epi64(last_lane, over);
+        __mmask8 same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 7));
+        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 7));
+        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 6));
+        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 6));
+        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 4));
+        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 4));
+        bits = _mm512_mask_or_epi64(bits, _mm512_cmpeq_epi64_mask(words, held_word), bits, held);
+        __mmask8 last = _mm512_cmpneq_epi64_mask(words, _mm512_alignr_epi64(none, words, 1));
+        _mm512_mask_i64scatter_epi64((void *)buf, last, words, _mm512_shuffle_epi8(bits, reverse),
+                                     8);
+        held_word = _mm512_permutexvar_epi64(last_lane, words);
+        held = _mm512_permutexvar_epi64(last_lane, bits);
+        at = _mm512_add_epi64(at, step);
+    }
+    /* The bits that spilled out of the last lane start the word after its own. */
+    uint64_t bit = (uint64_t)i * (uint64_t)k,
+             next = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(held_word)) + 1;
+    if (bit > 64 * next) {
+        uint64_t v = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(spill));
+        v = __builtin_bswap64(v);
+        memcpy(buf + 8 * next, &v, 8);
+    }
+    return i;
+}
+#endif
+
 /* rice_encode(positions) -> (k, unary, remainder): the Rice parameter with the fewest bits
  * (the smallest on a tie), the unary stream of the quotients and the k-bit remainders of the
  * gaps between the sorted positions (int64, the first gap counted from -1). */
@@ -618,10 +676,12 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     /* The stream is written as whole 64-bit words: room for the last one, cut off after. */
     size_t ubytes = (size_t)((best_quot + n + 7) / 8), padded = (ubytes + 7) & ~(size_t)7;
     unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)padded);
-    remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(((uint64_t)n * k + 7) / 8));
+    size_t rbytes = (size_t)(((uint64_t)n * k + 7) / 8), rpadded = (rbytes + 7) & ~(size_t)7;
+    remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rpadded);
     if (!unary || !remainder) goto done;
     uint8_t *ubuf = (uint8_t *)PyBytes_AS_STRING(unary);
-    BitWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
+    uint8_t *rbuf = (uint8_t *)PyBytes_AS_STRING(remainder);
+    BitWriter r = {rbuf, 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     /* The unary stream is all one-bits but for the zero that ends each code, at bit
      * q[0] + ... + q[i] + i: start from ones and clear those bits, then the padding. */
@@ -648,8 +708,24 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     if ((end + 1) & 7) ubuf[ubytes - 1] &= (uint8_t)(0xFF00u >> ((end + 1) & 7));
     if (k) {
         uint64_t low = (1ull << k) - 1;
-        int64_t prev = -1;
-        for (size_t i = 0; i < n; i++) {
+        i = 0;
+#if HAVE_AVX512_LOOPS
+        if (use_avx512 && n >= 8) {
+            i = remainders_avx512(rbuf, pos, n, k);
+            /* Go on from bit i k: the whole 32-bit chunks before it are written; the bits of
+             * the chunk it falls in go back into the writer. */
+            uint64_t bit = (uint64_t)i * (uint64_t)k;
+            r.at = (size_t)(bit / 32) * 4;
+            r.bits = (int)(bit % 32);
+            if (r.bits) {
+                uint32_t chunk = (uint32_t)rbuf[r.at] << 24 | (uint32_t)rbuf[r.at + 1] << 16 |
+                                 (uint32_t)rbuf[r.at + 2] << 8 | rbuf[r.at + 3];
+                r.acc = chunk >> (32 - r.bits);
+            }
+        }
+#endif
+        int64_t prev = i ? pos[i - 1] : -1;
+        for (; i < n; i++) {
             put_bits(&r, (uint64_t)(pos[i] - prev - 1) & low, k);
             prev = pos[i];
         }
@@ -657,6 +733,7 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     if (padded != ubytes && _PyBytes_Resize(&unary, (Py_ssize_t)ubytes) < 0) goto done;
+    if (rpadded != rbytes && _PyBytes_Resize(&remainder, (Py_ssize_t)rbytes) < 0) goto done;
     result = Py_BuildValue("iOO", k, unary, remainder);
 done:
     Py_XDECREF(unary);

@@ -143,6 +143,20 @@ def test_listing_into_reused_buffers(pairs: list[tuple[np.ndarray, np.ndarray, i
 
 
 @needs_native
+@pytest.mark.parametrize("bits", range(32))
+def test_rice_streams_at_every_parameter(bits: int):
+    """Every Rice parameter, on counts around the 8 codes the AVX-512 loops take at a time:
+    the streams equal numpy's with both loops."""
+    rng = np.random.default_rng(bits)
+    for count in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000):
+        steps = rng.integers(2**bits, 2 ** (bits + 1), count) if bits else np.ones(count, int)
+        positions = (np.cumsum(steps) - 1).astype(np.int64)
+        slow = both(lambda positions=positions: rice.rice_streams(positions))[1]
+        for loops in simd_modes():
+            assert rice.rice_streams(positions) == slow, (count, loops)
+
+
+@needs_native
 def test_listing_into_refuses_buffers_that_are_too_small():
     old = np.zeros(64, np.uint8)
     new = np.ones(64, np.uint8)
