@@ -401,12 +401,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     ap.add_argument("--ks", type=int, nargs="+", default=list(KS))
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per command (best kept)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs of each `--level max` command (best kept; default 3)",
+    )
     ap.add_argument(
         "--rounds",
         type=int,
         default=None,
-        help="rounds of default diff, compare, apply and cp in turn (best kept; default 3)",
+        help="rounds of default diff, compare, apply and cp in turn (best kept; default 5)",
     )
     ap.add_argument("--patch-from-level", type=int, default=19)
     ap.add_argument("--no-patch-from", action="store_true", help="skip zstd --patch-from (slow)")
@@ -445,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {args.doc} from {args.render_only}")
         return 0
     args.preset = args.preset or ("small" if args.quick else "qwen2.5-0.5b")
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     args.json = args.json or args.out / "benchmarks.json"
 
     cli = pulsectl_cmd()
