@@ -18,10 +18,11 @@
 #endif
 
 /* Where the compiler can target AVX-512 in one function (GCC and Clang on x86-64), the hottest
- * loop of `diff` gets such a version, used when the CPU has AVX-512 (with VBMI2, for compressing
- * 16-bit lanes) and the OS saves its registers; other machines run the portable loop, which
- * gives the same results. */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+ * loops of `diff` get such versions, used when the CPU has AVX-512 (with VBMI2, for compressing
+ * 16-bit lanes) and the OS saves its registers; other machines run the portable loops, which
+ * give the same results. Older compilers (GCC or Clang before 9) build only the portable ones. */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) ||                 \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9))
 #define HAVE_AVX512_LOOPS 1
 #include <immintrin.h>
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
