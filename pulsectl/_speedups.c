@@ -859,10 +859,14 @@ done:
 
 /* The loop of rice_scatter for one word type: the walk of rice_decode, each word moved at
  * once by the zigzag value its planes hold (unzigzag, then scatter_add). */
+#define SCATTER_AHEAD 4096
 #define RICE_SCATTER_OF(NAME, T)                                                              \
     static inline void NAME##_add(uint8_t *words, int64_t at, const uint8_t *const *src,      \
                                   size_t i) {                                                 \
         T z = 0, x;                                                                           \
+        /* Positions only grow: ask for the words ahead (prefetchers lose an irregular     \
+         * stride); prefetching never faults, past the end neither. */                      \
+        __builtin_prefetch(words + sizeof(T) * (size_t)at + SCATTER_AHEAD, 1);                \
         for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][i] << (8 * j));             \
         memcpy(&x, words + sizeof(T) * (size_t)at, sizeof(T));                                \
         x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                               \
