@@ -101,9 +101,9 @@ static inline size_t bit_count(uint64_t x) {
  * first count + 1 are touched), 64 bytes at a time: a span that is equal is skipped; in one
  * with a few changes (a quarter of its words at most) the changes are visited alone, from the
  * span's mask; in the others every index is stored and the count moves on only where the
- * words differ (no branch to mispredict when a third of the words change). With `planes`, the zigzag move of each word also goes
- * into `word` planes (plane p at planes + p * stride), the value planes of codecs 3-5, while
- * both words are in registers. One function per word type. */
+ * words differ (no branch to mispredict when a third of the words change). With `planes`, the
+ * zigzag move of each word also goes into `word` planes (plane p at planes + p * stride), the
+ * value planes of codecs 3-5, while both words are in registers. One function per word type. */
 #define PREFETCH_AHEAD 2048
 
 #define CHANGES_OF(NAME, T)                                                                   \
@@ -283,10 +283,11 @@ static PyObject *changes(PyObject *self, PyObject *args) {
 }
 
 /* changes_into(old, new, word, positions, planes) -> count: the indices of the words that
- * differ, and the zigzag planes of their moves, into the caller's buffers. `positions` (writable, int64) has room for cap >= nwords + 1
- * indices; `planes` (writable) holds `word` planes of cap bytes each, plane p at p * cap. The
- * first count entries of each are the results; the rest of the buffers is scratch. Worker
- * threads keep such buffers between blocks, so no fresh pages are touched for each block. */
+ * differ, and the zigzag planes of their moves, into the caller's buffers. `positions`
+ * (writable, int64, 8-byte aligned) has room for cap >= nwords + 1 indices; `planes` (writable)
+ * holds `word` planes of cap bytes each, plane p at p * cap. The first count entries of each
+ * are the results; the rest of the buffers is scratch. Worker threads keep such buffers between
+ * blocks, so no fresh pages are touched for each block. */
 static PyObject *changes_into(PyObject *self, PyObject *args) {
     Py_buffer a, b, p, q;
     int word;
@@ -574,7 +575,8 @@ static AVX512_TARGET size_t unary_zeros_avx512(uint8_t *buf, const int64_t *pos,
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m512i p = _mm512_loadu_si512((const void *)(pos + i));
-        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, _mm512_alignr_epi64(p, before, 7)), one);
+        __m512i prev = _mm512_alignr_epi64(p, before, 7); /* each lane's previous position */
+        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, prev), one);
         before = p;
         __m512i step = _mm512_add_epi64(_mm512_srl_epi64(gaps, shift), one);
         step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 7));
@@ -626,7 +628,8 @@ static AVX512_TARGET size_t remainders_avx512(uint8_t *buf, const int64_t *pos, 
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m512i p = _mm512_loadu_si512((const void *)(pos + i));
-        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, _mm512_alignr_epi64(p, before, 7)), one);
+        __m512i prev = _mm512_alignr_epi64(p, before, 7); /* each lane's previous position */
+        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, prev), one);
         before = p;
         __m512i top = _mm512_sll_epi64(_mm512_and_si512(gaps, low), up); /* at bit 63 down */
         __m512i words = _mm512_srli_epi64(at, 6), off = _mm512_and_si512(at, low6);
