@@ -555,29 +555,58 @@ static PyObject *rice_size(PyObject *self, PyObject *args) {
 }
 
 #if HAVE_AVX512_LOOPS
+/* The gaps (position - previous - 1) of the 8 increasing positions at pos; lane 7 of *before
+ * is the position before them (-1 first), and *before becomes these 8. */
+static inline __attribute__((always_inline)) AVX512_TARGET __m512i gaps_of_8(const int64_t *pos,
+                                                                             __m512i *before) {
+    __m512i p = _mm512_loadu_si512((const void *)pos);
+    __m512i prev = _mm512_alignr_epi64(p, *before, 7); /* each lane's previous position */
+    *before = p;
+    return _mm512_sub_epi64(_mm512_sub_epi64(p, prev), _mm512_set1_epi64(1));
+}
+
+/* Store the 64-bit words of a bit stream (most significant bit first) that 8 lanes add bits
+ * to: lane j's bits belong to word words[j], and words never decrease from lane to lane. An
+ * inclusive scan gathers each word's bits in the last of its lanes, together with those the
+ * word got from the previous 8 (*held_word, *held); each such lane stores its word whole,
+ * XORed with flip. The last lane's word may go on: it is held over, and stored again, whole,
+ * with the next 8. */
+static inline __attribute__((always_inline)) AVX512_TARGET void store_lanes(
+    uint8_t *buf, __m512i words, __m512i bits, __m512i flip, __m512i *held_word, __m512i *held) {
+    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
+    const __m512i last_lane = _mm512_set1_epi64(7);
+    /* The bytes of each 64-bit lane reversed: bit 63 of a word is the first bit in the stream. */
+    const __m512i reverse = _mm512_set4_epi32(0x08090a0b, 0x0c0d0e0f, 0x00010203, 0x04050607);
+    __mmask8 same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 7));
+    bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 7));
+    same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 6));
+    bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 6));
+    same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 4));
+    bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 4));
+    bits = _mm512_mask_or_epi64(bits, _mm512_cmpeq_epi64_mask(words, *held_word), bits, *held);
+    __mmask8 last = _mm512_cmpneq_epi64_mask(words, _mm512_alignr_epi64(none, words, 1));
+    __m512i value = _mm512_shuffle_epi8(_mm512_xor_si512(bits, flip), reverse);
+    _mm512_mask_i64scatter_epi64((void *)buf, last, words, value, 8);
+    *held_word = _mm512_permutexvar_epi64(last_lane, words);
+    *held = _mm512_permutexvar_epi64(last_lane, bits);
+}
+
 /* The zeros of rice_encode's unary stream for the first codes of the increasing positions pos
  * (n >= 8), 8 codes at a time: their gaps, quotients and a running sum give the 8 bits to
- * clear; an OR-scan over lanes that fall in the same 64-bit word of the stream gathers each
- * word's zeros, and every word that ends in a lane is stored whole (the stream starts as all
- * ones). A word that goes on into the next 8 codes is stored again then, with all its zeros.
- * Returns how many codes are done; *end is the bit of the last one's zero. */
+ * clear, stored by store_lanes as words of ones with those bits clear (the stream starts as all
+ * ones). Returns how many codes are done; *end is the bit of the last one's zero. */
 static AVX512_TARGET size_t unary_zeros_avx512(uint8_t *buf, const int64_t *pos, size_t n, int k,
                                               uint64_t *end) {
     const __m512i one = _mm512_set1_epi64(1), low6 = _mm512_set1_epi64(63);
     const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
     const __m512i last_lane = _mm512_set1_epi64(7);
-    /* The bytes of each 64-bit lane reversed: bit 63 of a word is the first bit in the stream. */
-    const __m512i reverse = _mm512_set4_epi32(0x08090a0b, 0x0c0d0e0f, 0x00010203, 0x04050607);
     const __m128i shift = _mm_cvtsi32_si128(k);
     __m512i before = none;              /* lane 7: the position before the next 8 (-1 first) */
     __m512i at = none;                  /* every lane: the zero of the code before the next 8 */
     __m512i held_word = none, held = zero; /* the last word stored, and its zeros so far */
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m512i p = _mm512_loadu_si512((const void *)(pos + i));
-        __m512i prev = _mm512_alignr_epi64(p, before, 7); /* each lane's previous position */
-        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, prev), one);
-        before = p;
+        __m512i gaps = gaps_of_8(pos + i, &before);
         __m512i step = _mm512_add_epi64(_mm512_srl_epi64(gaps, shift), one);
         step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 7));
         step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 6));
@@ -586,38 +615,22 @@ static AVX512_TARGET size_t unary_zeros_avx512(uint8_t *buf, const int64_t *pos,
         at = _mm512_permutexvar_epi64(last_lane, ends);
         __m512i words = _mm512_srli_epi64(ends, 6);
         __m512i bits = _mm512_sllv_epi64(one, _mm512_sub_epi64(low6, _mm512_and_si512(ends, low6)));
-        /* Words never decrease from lane to lane: an inclusive scan gathers a word's bits in
-         * the last of its lanes. */
-        __mmask8 same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 7));
-        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 7));
-        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 6));
-        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 6));
-        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 4));
-        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 4));
-        bits = _mm512_mask_or_epi64(bits, _mm512_cmpeq_epi64_mask(words, held_word), bits, held);
-        __mmask8 last = _mm512_cmpneq_epi64_mask(words, _mm512_alignr_epi64(none, words, 1));
-        __m512i value = _mm512_shuffle_epi8(_mm512_xor_si512(bits, none), reverse);
-        _mm512_mask_i64scatter_epi64((void *)buf, last, words, value, 8);
-        held_word = _mm512_permutexvar_epi64(last_lane, words);
-        held = _mm512_permutexvar_epi64(last_lane, bits);
+        store_lanes(buf, words, bits, none, &held_word, &held); /* zeros in a stream of ones */
     }
     *end = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(at));
     return i;
 }
-#endif
 
-#if HAVE_AVX512_LOOPS
 /* The k-bit remainders (1 <= k <= 31) of the first gaps of the increasing positions pos
  * (n >= 8), 8 at a time, into buf as whole 64-bit words, most significant bit first: the
  * remainder of code j takes bits [j k, j k + k); where it runs past its word, the bits that
- * spill over go to the next lane's word. Lanes that share a word are ORed together as in
- * unary_zeros_avx512, and each word is stored whole (buf need not be cleared). Returns how
- * many codes are done (a multiple of 8); the bits after them in their last word are zero. */
+ * spill over go to the next lane's word. store_lanes stores each word whole (buf need not be
+ * cleared). Returns how many codes are done (a multiple of 8); the bits after them in their
+ * last word are zero. */
 static AVX512_TARGET size_t remainders_avx512(uint8_t *buf, const int64_t *pos, size_t n, int k) {
-    const __m512i one = _mm512_set1_epi64(1), low6 = _mm512_set1_epi64(63);
+    const __m512i low6 = _mm512_set1_epi64(63);
     const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
     const __m512i last_lane = _mm512_set1_epi64(7), sixty_four = _mm512_set1_epi64(64);
-    const __m512i reverse = _mm512_set4_epi32(0x08090a0b, 0x0c0d0e0f, 0x00010203, 0x04050607);
     const __m512i low = _mm512_set1_epi64((long long)((1ull << k) - 1));
     const __m128i up = _mm_cvtsi32_si128(64 - k);
     const __m512i step = _mm512_set1_epi64(8 * (long long)k);
@@ -627,10 +640,7 @@ static AVX512_TARGET size_t remainders_avx512(uint8_t *buf, const int64_t *pos, 
     __m512i before = none, held_word = none, held = zero, spill = zero;
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m512i p = _mm512_loadu_si512((const void *)(pos + i));
-        __m512i prev = _mm512_alignr_epi64(p, before, 7); /* each lane's previous position */
-        __m512i gaps = _mm512_sub_epi64(_mm512_sub_epi64(p, prev), one);
-        before = p;
+        __m512i gaps = gaps_of_8(pos + i, &before);
         __m512i top = _mm512_sll_epi64(_mm512_and_si512(gaps, low), up); /* at bit 63 down */
         __m512i words = _mm512_srli_epi64(at, 6), off = _mm512_and_si512(at, low6);
         __m512i bits = _mm512_srlv_epi64(top, off);
@@ -639,18 +649,7 @@ static AVX512_TARGET size_t remainders_avx512(uint8_t *buf, const int64_t *pos, 
          * lane's to the first lane of the next 8. */
         bits = _mm512_or_si512(bits, _mm512_alignr_epi64(over, spill, 7));
         spill = _mm512_permutexvar_epi64(last_lane, over);
-        __mmask8 same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 7));
-        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 7));
-        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 6));
-        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 6));
-        same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 4));
-        bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 4));
-        bits = _mm512_mask_or_epi64(bits, _mm512_cmpeq_epi64_mask(words, held_word), bits, held);
-        __mmask8 last = _mm512_cmpneq_epi64_mask(words, _mm512_alignr_epi64(none, words, 1));
-        _mm512_mask_i64scatter_epi64((void *)buf, last, words, _mm512_shuffle_epi8(bits, reverse),
-                                     8);
-        held_word = _mm512_permutexvar_epi64(last_lane, words);
-        held = _mm512_permutexvar_epi64(last_lane, bits);
+        store_lanes(buf, words, bits, zero, &held_word, &held);
         at = _mm512_add_epi64(at, step);
     }
     /* The bits that spilled out of the last lane start the word after its own. */
