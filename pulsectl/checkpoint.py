@@ -19,7 +19,6 @@ import contextlib
 import json
 import math
 import os
-import secrets
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -484,7 +483,9 @@ def save_safetensors(
     header, order = build_header({n: (v[0], v[1]) for n, v in prepared.items()}, metadata)
 
     # Not tempfile.mkstemp: its 0600 mode would stick to the result; os.open honours the umask.
-    tmp_name = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+    # os.urandom, which secrets.token_hex reads too: importing secrets (and with it hmac and
+    # OpenSSL's hashlib) would load them into every command for this one name.
+    tmp_name = str(path.parent / f".{path.name}.{os.urandom(8).hex()}.tmp")
     try:
         fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
     except OSError as e:
