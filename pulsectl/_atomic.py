@@ -8,10 +8,13 @@ import errno
 import functools
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from types import FrameType
+from typing import Any, BinaryIO
 
 from pulsectl.errors import OutputError
 
@@ -27,14 +30,58 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
         raise OutputError(f"{path}: folder {parent} does not exist", path=path)
 
 
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while inside; one that arrives is acted on when leaving.
+
+    For the steps between creating a temp file and recording it for removal: an interrupt (a
+    KeyboardInterrupt, raised at whatever line runs when the signal comes) between the two
+    would leave the file behind. Python runs signal handlers in the main thread only, so
+    elsewhere this holds nothing back, and needs not.
+    """
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    # (None: a handler set outside Python, which cannot be put back: left alone.)
+    if threading.current_thread() is not threading.main_thread() or any(
+        signal.getsignal(s) is None for s in sigs
+    ):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        for s in sigs:
+            previous[s] = signal.signal(s, hold)
+        yield
+    finally:
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+        if held:
+            _deliver(held[0], previous[held[0]])
+
+
+def _deliver(signum: int, handler: Any) -> None:
+    """Act on a held signal as its handler would have."""
+    if callable(handler):
+        handler(signum, None)  # Python's SIGINT handler, pulsectl's SIGTERM one: they raise
+    elif handler == signal.SIG_DFL:
+        signal.raise_signal(signum)
+
+
 def temp_path(path: Path) -> Path:
     """A fresh hidden name in the folder of ``path`` (not created)."""
-    try:  # creating it is the first write to the folder: read-only, full, no permission
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
-    except OSError as exc:
-        raise os_error(exc, path) from exc
-    os.close(fd)
-    os.unlink(name)
+    # Creating it is the first write to the folder (read-only, full, no permission?). It is
+    # removed again before an interrupt can end this function.
+    with interrupts_deferred():
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
+        except OSError as exc:
+            raise os_error(exc, path) from exc
+        os.close(fd)
+        os.unlink(name)
     return Path(name)
 
 
@@ -61,13 +108,19 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
     cannot leave an empty file behind the new name.
     """
     check_target(path, force)
+    tmp: Path | None = None
+    out: BinaryIO | None = None
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
-    except OSError as exc:
-        raise os_error(exc, path) from exc
-    tmp = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as f, _removed_on_sigbus(tmp):
+        # The temp file is created and known to the handlers below before an interrupt can
+        # stop this function.
+        with interrupts_deferred():
+            try:
+                fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
+            except OSError as exc:
+                raise os_error(exc, path) from exc
+            tmp = Path(name)
+            out = os.fdopen(fd, "wb")
+        with out as f, _removed_on_sigbus(tmp):
             yield f
             f.flush()
             if durable:
@@ -75,11 +128,19 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
         os.chmod(tmp, 0o644 & ~_umask())
         os.replace(tmp, path)
     except OSError as exc:
-        remove(tmp)
+        _discard(out, tmp)
         raise os_error(exc, path) from exc
     except BaseException:
-        remove(tmp)
+        _discard(out, tmp)
         raise
+
+
+def _discard(out: BinaryIO | None, tmp: Path | None) -> None:
+    if out is not None:
+        with contextlib.suppress(OSError):
+            out.close()
+    if tmp is not None:
+        remove(tmp)
 
 
 @contextlib.contextmanager

@@ -171,7 +171,8 @@ def apply_patches(
                     parts, current, dest, workers, progress, durable and last, device
                 )
                 if len(temps) > 1:
-                    remove(temps.pop(0))
+                    remove(temps[0])  # then forget it: an interrupt in between still removes it
+                    del temps[0]
                 current = Checkpoint.open(dest)
             try:
                 install(temps[-1], out_path)

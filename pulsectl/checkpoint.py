@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
+from pulsectl._atomic import interrupts_deferred
 from pulsectl._dtypes import DTYPES
 from pulsectl.errors import FormatError, InputError, OutputError
 
@@ -486,20 +487,30 @@ def save_safetensors(
     # os.urandom, which secrets.token_hex reads too: importing secrets (and with it hmac and
     # OpenSSL's hashlib) would load them into every command for this one name.
     tmp_name = str(path.parent / f".{path.name}.{os.urandom(8).hex()}.tmp")
+    created = False
+    out: BinaryIO | None = None
     try:
-        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
-    except OSError as e:
-        raise OutputError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
+        # Created and marked as ours before an interrupt can stop this function.
+        with interrupts_deferred():
+            try:
+                fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
+            except OSError as e:
+                raise OutputError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
+            created = True
+            out = os.fdopen(fd, "wb")
+        with out as f:
             f.write(_LEN_PREFIX.pack(len(header)))
             f.write(header)
             for name in order:
                 f.write(prepared[name][2])
         os.replace(tmp_name, path)
     except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp_name)
+        if out is not None:
+            with contextlib.suppress(OSError):
+                out.close()
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
         if isinstance(e, OSError):
             raise OutputError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
         raise

@@ -579,3 +579,58 @@ def test_errors_are_pulse_errors() -> None:
     assert (
         FormatError("x").exit_code == InputError("x").exit_code == OutputError("x").exit_code == 1
     )
+
+
+def test_interrupt_inside_deferred_block_is_raised_after_it(tmp_path: Path) -> None:
+    """SIGINT/SIGTERM between creating a temp file and recording it wait for the block's end,
+    where they raise as they would have, and the handlers are back as they were."""
+    import signal
+
+    from pulsectl._atomic import interrupts_deferred
+
+    class Term(Exception):
+        pass
+
+    def on_term(signum: int, frame: object) -> None:
+        raise Term
+
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for sig, raised in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Term)):
+            steps = []
+            with pytest.raises(raised), interrupts_deferred():
+                os.kill(os.getpid(), sig)
+                for _ in range(1000):  # the handler runs between these lines, and holds
+                    steps.append(1)
+                steps.append(2)
+            assert steps[-1] == 2 and len(steps) == 1001
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signal.getsignal(signal.SIGTERM) is on_term
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_interrupt_right_after_temp_created_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt that lands the moment a temp file exists (here: sent from inside mkstemp)
+    still leaves no temp file, from temp_path or from atomic_file."""
+    import signal
+    import tempfile
+
+    from pulsectl._atomic import atomic_file, temp_path
+
+    real = tempfile.mkstemp
+
+    def mkstemp_then_sigint(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        made = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return made
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_sigint)
+    with pytest.raises(KeyboardInterrupt):
+        temp_path(tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt), atomic_file(tmp_path / "y.pulse", force=False) as f:
+        f.write(b"never")
+    assert list(tmp_path.iterdir()) == []
