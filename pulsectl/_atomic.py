@@ -128,14 +128,15 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
         os.chmod(tmp, 0o644 & ~_umask())
         os.replace(tmp, path)
     except OSError as exc:
-        _discard(out, tmp)
+        discard(out, tmp)
         raise os_error(exc, path) from exc
     except BaseException:
-        _discard(out, tmp)
+        discard(out, tmp)
         raise
 
 
-def _discard(out: BinaryIO | None, tmp: Path | None) -> None:
+def discard(out: BinaryIO | None, tmp: Path | None) -> None:
+    """Close a temp file's handle and remove the file, where there are any; never raises."""
     if out is not None:
         with contextlib.suppress(OSError):
             out.close()

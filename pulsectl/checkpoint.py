@@ -15,7 +15,6 @@ relative to the start of the data section; the optional ``"__metadata__"`` entry
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from pulsectl._atomic import interrupts_deferred
+from pulsectl._atomic import discard, interrupts_deferred
 from pulsectl._dtypes import DTYPES
 from pulsectl.errors import FormatError, InputError, OutputError
 
@@ -505,12 +504,7 @@ def save_safetensors(
                 f.write(prepared[name][2])
         os.replace(tmp_name, path)
     except BaseException as e:
-        if out is not None:
-            with contextlib.suppress(OSError):
-                out.close()
-        if created:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
+        discard(out, Path(tmp_name) if created else None)
         if isinstance(e, OSError):
             raise OutputError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
         raise
