@@ -1622,52 +1622,65 @@ done:
     }
 
 /* From 1 change in SCATTER_DENSE_FROM words that branch is mispredicted often, and a
- * branch-free step does the same work at every word: the word's rank r among its key's words
- * (a count per key, CN) picks bit off[e] + r of `bits`, set where that rank is a change, and
- * the word moves by the key's next move (an index per key, JC, into `delta`, the block's moves
- * as words in rank order), masked to zero where the bit is clear. Neither count waits for the bit's load. A
- * count is still one that the next word of its key (in real weights, often the next word)
- * loads again after this one stores it, a chain of store-to-load latencies; so two walkers
- * take the two halves of the block in step, each with its own counts, the second starting
- * from the key counts of the first half. */
+ * branch-free step does the same work at every word: the key's count (CN) is the bit of `bits`
+ * for the word's rank among its key's words (the key's ranks start at its own offset), set
+ * where that rank is a change, and the word moves by the key's next move (an index per key,
+ * JC, into `delta`, the block's moves as words in rank order), masked to zero where the bit is
+ * clear. Neither count waits for the bit's load. A count is still one that the next word of
+ * its key (in real weights, often the next word) loads again after this one stores it, a chain
+ * of store-to-load latencies; so two walkers take the two halves of the block in step, each
+ * with its own counts, the second starting from the key counts of the first half. The four
+ * count tables lie STRIDE(nkeys) apart in one array (`tab`: CN, JC of the first walker, then
+ * of the second), so that with nkeys known to the compiler one register addresses them all. */
 #define SCATTER_DENSE(T, I, CN, JC)                                                           \
     do {                                                                                      \
         T v_ = w[I];                                                                          \
         uint32_t e_ = (uint32_t)((uint64_t)v_ >> shift) & mask;                               \
-        uint32_t r_ = CN[e_];                                                                 \
-        CN[e_] = r_ + 1;                                                                      \
-        uint64_t g_ = (uint64_t)off[e_] + r_;                                                 \
-        uint32_t hit_ = (uint32_t)(bits[g_ >> 6] >> (g_ & 63)) & 1;                           \
-        uint32_t j_ = JC[e_];                                                                 \
-        JC[e_] = j_ + hit_;                                                                   \
+        uint32_t g_ = tab[(CN) + e_];                                                         \
+        tab[(CN) + e_] = g_ + 1;                                                              \
+        uint32_t hit_ = (uint32_t)((bits[g_ >> 6] << (g_ & 63)) >> 63);                       \
+        uint32_t j_ = tab[(JC) + e_];                                                         \
+        tab[(JC) + e_] = j_ + hit_;                                                           \
         w[I] = (T)(v_ + (T)(delta[j_] & (T)((T)0 - (T)hit_)));                                \
     } while (0)
+/* Where the second walker starts: about half way, at a distance from the first that is not a
+ * multiple of 4 KiB. Were it one, each word one walker loads would share its address's low 12
+ * bits with the word the other has just stored, and the CPU holds a load behind such a store
+ * until it sees that the two differ ("4K aliasing"). */
+static inline size_t walk_split(size_t nwords, size_t word) {
+    size_t page = 4096 / word;
+    if (nwords < 2 * page) return nwords / 2;
+    return nwords / 2 / page * page + page / 2;
+}
 #define SCATTER_DENSE_OF(NAME, T)                                                             \
     static inline __attribute__((always_inline)) void NAME##_dense_steps(                     \
-        uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint32_t *off,         \
-        const uint64_t *bits, uint32_t *cn, uint32_t *jc, size_t nkeys, const T *delta) {     \
+        uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint64_t *bits,        \
+        uint32_t *tab, size_t nkeys, const T *delta) {                                        \
         T *w = (T *)block;                                                                    \
-        size_t half = nwords / 2;                                                             \
-        uint32_t *cn2 = cn + STRIDE(nkeys), *jc2 = jc + STRIDE(nkeys);                        \
-        for (size_t i = 0; i < half; i++) {                                                   \
-            SCATTER_DENSE(T, i, cn, jc);                                                      \
-            SCATTER_DENSE(T, half + i, cn2, jc2);                                             \
+        size_t half = walk_split(nwords, sizeof(T)), s = STRIDE(nkeys);                       \
+        size_t both = half < nwords - half ? half : nwords - half, i = 0;                      \
+        for (; i < both; i++) {                                                               \
+            SCATTER_DENSE(T, i, 0, s);                                                        \
+            SCATTER_DENSE(T, half + i, 2 * s, 3 * s);                                         \
         }                                                                                     \
-        if (nwords % 2) SCATTER_DENSE(T, nwords - 1, cn2, jc2);                               \
+        for (size_t j = i; j < half; j++) SCATTER_DENSE(T, j, 0, s);                          \
+        for (size_t j = half + i; j < nwords; j++) SCATTER_DENSE(T, j, 2 * s, 3 * s);         \
     }                                                                                         \
-    static void NAME##_dense(uint8_t *block, size_t nwords, int shift, uint32_t mask,         \
-                             const uint32_t *off, const uint64_t *bits, uint32_t *cn,         \
-                             uint32_t *jc, size_t nkeys, const T *delta) {                    \
-        NAME##_dense_steps(block, nwords, shift, mask, off, bits, cn, jc, nkeys, delta);      \
+    static __attribute__((noinline)) void NAME##_dense(                                       \
+        uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint64_t *bits,        \
+        uint32_t *tab, size_t nkeys,                                                          \
+                             const T *delta) {                                                \
+        NAME##_dense_steps(block, nwords, shift, mask, bits, tab, nkeys, delta);              \
     }                                                                                         \
-    /* Each key's words in the block's first half (half[e]) and in all of it (all[e]). */     \
-    static void NAME##_halves(const uint8_t *block, size_t nwords, int shift, uint32_t mask,  \
-                              int64_t *h, size_t nkeys, int64_t *half, int64_t *all) {        \
+    /* Each key's words before walk_split (half[e]) and in all of the block (all[e]). */     \
+    static inline __attribute__((always_inline)) void NAME##_halves(                          \
+        const uint8_t *block, size_t nwords, int shift, uint32_t mask, int64_t *h,            \
+        size_t nkeys, int64_t *half, int64_t *all) {                                          \
         const T *w = (const T *)block;                                                        \
         int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
                 *h3 = h2 + STRIDE(nkeys);                                                     \
         size_t i = 0;                                                                         \
-        COUNT_KEYS(w, i, nwords / 2);                                                         \
+        COUNT_KEYS(w, i, walk_split(nwords, sizeof(T)));                                      \
         for (size_t e = 0; e < nkeys; e++) half[e] = h0[e] + h1[e] + h2[e] + h3[e];           \
         COUNT_KEYS(w, i, nwords);                                                             \
         for (size_t e = 0; e < nkeys; e++) all[e] = h0[e] + h1[e] + h2[e] + h3[e];            \
@@ -1684,11 +1697,23 @@ static void s2_sparse_bf16(uint8_t *block, size_t nwords, const uint64_t *next,
                            uint64_t *state, const uint8_t *const *src) {
     s2_sparse_steps(block, nwords, 7, 0xFF, next, state, src);
 }
-static void s2_dense_bf16(uint8_t *block, size_t nwords, const uint32_t *off,
-                          const uint64_t *bits, uint32_t *cn, uint32_t *jc,
-                          const uint16_t *delta) {
-    s2_dense_steps(block, nwords, 7, 0xFF, off, bits, cn, jc, 256, delta);
+static void s2_halves_bf16(const uint8_t *block, size_t nwords, int64_t *h, int64_t *half,
+                           int64_t *all) {
+    s2_halves(block, nwords, 7, 0xFF, h, 256, half, all);
 }
+/* Not inlined: inside scatter_dense the compiler kept the walk's pointers on the stack. */
+static __attribute__((noinline)) void s2_dense_bf16(uint8_t *block, size_t nwords,
+                                                    const uint64_t *bits, uint32_t *tab,
+                                                    const uint16_t *delta) {
+    s2_dense_steps(block, nwords, 7, 0xFF, bits, tab, 256, delta);
+}
+#if HAVE_AVX512_LOOPS
+/* The same with BMI2's shift by a register (one micro-op; the legacy one takes three). */
+static __attribute__((noinline, target("bmi2"))) void s2_dense_bf16_bmi2(
+    uint8_t *block, size_t nwords, const uint64_t *bits, uint32_t *tab, const uint16_t *delta) {
+    s2_dense_steps(block, nwords, 7, 0xFF, bits, tab, 256, delta);
+}
+#endif
 
 /* The moves of `count` changes as words (unzigzag of the planes' bytes), and one of 0 after. */
 #define UNZIGZAG_OF(NAME, T)                                                                  \
@@ -1705,78 +1730,170 @@ UNZIGZAG_OF(s2, uint16_t)
 UNZIGZAG_OF(s4, uint32_t)
 UNZIGZAG_OF(s8, uint64_t)
 
-/* The dense walk of context_scatter: the checked ranks of each context (`rank`, int64, in
- * table order) set as bits, then walked. The error (a static string) or NULL. */
+/* The dense walk's bitmap numbers its bits as the Rice streams do, most significant first:
+ * bit g is bit 63 - g % 64 of word g / 64. */
+#define BIT_OF(g) (1ull << (63 - ((g) & 63)))
+
+/* Bits set one after another at increasing indices, a 64-bit word at a time. */
+typedef struct {
+    uint64_t *bitmap, word, acc;
+} BitSetter;
+static inline void set_next_bit(BitSetter *b, uint64_t g) {
+    if (g >> 6 != b->word) {
+        b->bitmap[b->word] |= b->acc;
+        b->word = g >> 6;
+        b->acc = 0;
+    }
+    b->acc |= BIT_OF(g);
+}
+
+/* One context's run of a dense codec 4 block (see context_run), each rank set as bit `off` +
+ * rank of `bitmap` instead of stored; `nwords` is the count of the key's words, past which no
+ * rank may point. */
+static const char *context_bits(
+    const uint8_t *ub, size_t ulen, const uint8_t *rb, const uint8_t *rend, size_t count, int k,
+    size_t nwords, uint64_t ubit0, uint64_t rbit0, uint64_t *bitmap, uint64_t off,
+    uint64_t *next) {
+    BitSetter b = {bitmap, off >> 6, 0};
+    RICE_WALK(ubit0, rbit0, "context block points past the end of a context",
+              set_next_bit(&b, off + (uint64_t)at),
+              (bitmap[b.word] |= b.acc, *next = (uint64_t)(end_before + 1)))
+}
+
+/* Sixty-four bits of a stream (most significant first) from bit `at`; bytes at or past `end`
+ * read as 0xFF. */
+static inline uint64_t bits_at(const uint8_t *p, const uint8_t *end, uint64_t at) {
+    const uint8_t *q = p + (at >> 3);
+    uint64_t v = load_be64(q, end, 0xFF);
+    int s = (int)(at & 7);
+    if (s) v = (v << s) | ((uint64_t)(q + 8 < end ? q[8] : 0xFF) >> (8 - s));
+    return v;
+}
+
+/* context_bits for a run with k = 0. Its unary codes are then the bitmap of its ranks,
+ * inverted: the i-th 0-bit of the run lies at bit ubit0 + rank i. So the run's end is found by
+ * counting 0-bits, and the bits are copied 64 at a time. Errors as context_bits gives them. */
+static const char *context_bits_k0(const uint8_t *ub, size_t ulen, size_t count, size_t nwords,
+                                   uint64_t ubit0, uint64_t *bitmap, uint64_t off,
+                                   uint64_t *next) {
+    const char *past = "context block points past the end of a context";
+    const uint8_t *uend = ub + ulen;
+    uint64_t w = ubit0 / 64, last = 0; /* last: a bit just past the last 0-bit seen */
+    uint64_t zeros = 0;
+    size_t left = count;
+    for (; w * 8 < ulen; w++) {
+        zeros = ~load_be64(ub + 8 * w, uend, 0xFF);
+        if (w == ubit0 / 64) zeros &= ~0ull >> (ubit0 % 64);
+        size_t n = (size_t)__builtin_popcountll(zeros);
+        if (n >= left) break;
+        left -= n;
+        if (zeros) last = 64 * w + 64 - (uint64_t)__builtin_ctzll(zeros);
+    }
+    if (w * 8 >= ulen) return last > ubit0 + nwords ? past : "unary stream is too short";
+    for (size_t i = 1; i < left; i++) zeros &= ~(1ull << (63 - __builtin_clzll(zeros)));
+    uint64_t end = 64 * w + (uint64_t)__builtin_clzll(zeros), top = end - ubit0;
+    if (top >= nwords) return past;
+    *next = end + 1;
+    uint64_t d0 = off / 64, d1 = (off + top) / 64;
+    for (uint64_t d = d0; d <= d1; d++) {
+        uint64_t v = d == d0 ? ~bits_at(ub, uend, ubit0) >> (off % 64)
+                             : ~bits_at(ub, uend, ubit0 + 64 * d - off);
+        if (d == d1) v &= ~0ull << (63 - (off + top) % 64);
+        bitmap[d] |= v;
+    }
+    return NULL;
+}
+
+/* The set bits of `bitmap` in [from, to). */
+static int64_t bits_between(const uint64_t *bitmap, uint64_t from, uint64_t to) {
+    if (from >= to) return 0;
+    uint64_t a = from >> 6, z = (to - 1) >> 6;
+    uint64_t head = ~0ull >> (from & 63), tail = ~0ull << (63 - ((to - 1) & 63));
+    if (a == z) return __builtin_popcountll(bitmap[a] & head & tail);
+    int64_t n = __builtin_popcountll(bitmap[a] & head) + __builtin_popcountll(bitmap[z] & tail);
+    for (uint64_t i = a + 1; i < z; i++) n += __builtin_popcountll(bitmap[i]);
+    return n;
+}
+
+/* The dense walk of context_scatter: each context's ranks decoded from the streams and set as
+ * bits of a bitmap (a key's ranks from the count of words of the keys before it), then walked.
+ * The error (a static string) or NULL. */
 static const char *scatter_dense(uint8_t *block, size_t nwords, int word, int shift, int bits,
-                                 const int64_t *key, const int64_t *cnt, size_t nctx,
-                                 const int64_t *rank, size_t count, const uint8_t *const *src,
+                                 const int64_t *key, const int64_t *kof, const int64_t *cnt,
+                                 size_t nctx, const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                                 const uint8_t *rend, size_t count, const uint8_t *const *src,
                                  void *scratch) {
-    size_t nkeys = (size_t)1 << bits;
+    size_t nkeys = (size_t)1 << bits, s = STRIDE(nkeys);
     uint32_t mask = (uint32_t)(nkeys - 1);
-    /* scratch: int64 tables (4 x STRIDE), half, all; uint32 off, cn (2 x STRIDE), jc (2 x
-     * STRIDE); the bitmap; the moves */
-    int64_t *tables = scratch, *half = tables + 4 * STRIDE(nkeys), *all = half + nkeys;
-    uint32_t *off = (uint32_t *)(all + nkeys), *cn = off + nkeys, *jc = cn + 2 * STRIDE(nkeys);
-    uint64_t *bitmap = (uint64_t *)(jc + 2 * STRIDE(nkeys)); /* 8-aligned: nkeys is even */
+    /* scratch: int64 tables (4 x STRIDE), half, all; uint32 off, the walk's tab (4 x STRIDE);
+     * the bitmap; the moves */
+    int64_t *tables = scratch, *half = tables + 4 * s, *all = half + nkeys;
+    uint32_t *off = (uint32_t *)(all + nkeys), *tab = off + nkeys;
+    uint64_t *bitmap = (uint64_t *)(tab + 4 * s); /* 8-aligned: nkeys is even */
     void *delta = bitmap + nwords / 64 + 1;
     switch (word) {
     case 1: s1_halves(block, nwords, shift, mask, tables, nkeys, half, all); break;
-    case 2: s2_halves(block, nwords, shift, mask, tables, nkeys, half, all); break;
+    case 2:
+        if (shift == 7 && bits == 8) s2_halves_bf16(block, nwords, tables, half, all);
+        else s2_halves(block, nwords, shift, mask, tables, nkeys, half, all);
+        break;
     case 4: s4_halves(block, nwords, shift, mask, tables, nkeys, half, all); break;
     default: s8_halves(block, nwords, shift, mask, tables, nkeys, half, all);
     }
     uint32_t at = 0; /* key e's ranks at bits [off[e], off[e] + all[e]) */
     for (size_t e = 0; e < nkeys; e++) {
         off[e] = at;
+        tab[e] = at;                          /* the first walker's bit: rank 0 of the key */
+        tab[2 * s + e] = at + (uint32_t)half[e]; /* the second's: the key's first in its half */
+        tab[s + e] = tab[3 * s + e] = 0;      /* keys without changes: never used */
         at += (uint32_t)all[e];
-        cn[e] = 0;
-        cn[STRIDE(nkeys) + e] = (uint32_t)half[e];
-        jc[e] = jc[STRIDE(nkeys) + e] = 0; /* keys without changes: never used */
     }
+    uint64_t ubit = 0, rbit = 0;
     int64_t first = 0;
     for (size_t c = 0; c < nctx; c++) {
         size_t e = (size_t)key[c];
-        int64_t end = first + cnt[c];
-        if (rank[end - 1] >= all[e]) return "context block points past the end of a context";
-        int64_t lo = first, hi = end;
-        while (lo < hi) { /* the key's first change in the second half */
-            int64_t mid = lo + (hi - lo) / 2;
-            if (rank[mid] < half[e]) lo = mid + 1;
-            else hi = mid;
-        }
-        jc[e] = (uint32_t)first;
-        jc[STRIDE(nkeys) + e] = (uint32_t)lo;
-        half[e] = lo; /* where the first walker must stop */
-        for (int64_t j = first; j < end; j++) {
-            uint64_t g = off[e] + (uint64_t)rank[j];
-            bitmap[g >> 6] |= 1ull << (g & 63);
-        }
-        first = end;
+        const char *error =
+            kof[c] ? context_bits(ub, ulen, rb, rend, (size_t)cnt[c], (int)kof[c],
+                                  (size_t)all[e], ubit, rbit, bitmap, off[e], &ubit)
+                   : context_bits_k0(ub, ulen, (size_t)cnt[c], (size_t)all[e], ubit, bitmap,
+                                     off[e], &ubit);
+        if (error) return error;
+        int64_t below = bits_between(bitmap, off[e], off[e] + (uint64_t)half[e]);
+        rbit += (uint64_t)cnt[c] * (uint64_t)kof[c];
+        tab[s + e] = (uint32_t)first;
+        tab[3 * s + e] = (uint32_t)(first + below);
+        half[e] = first + below; /* where the first walker must stop */
+        first += cnt[c];
     }
     switch (word) {
     case 1:
         s1_moves(src, count, delta);
-        s1_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+        s1_dense(block, nwords, shift, mask, bitmap, tab, nkeys, delta);
         break;
     case 2:
         s2_moves(src, count, delta);
-        if (shift == 7 && bits == 8) s2_dense_bf16(block, nwords, off, bitmap, cn, jc, delta);
-        else s2_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+#if HAVE_AVX512_LOOPS
+        if (shift == 7 && bits == 8 && use_avx512)
+            s2_dense_bf16_bmi2(block, nwords, bitmap, tab, delta);
+        else
+#endif
+        if (shift == 7 && bits == 8) s2_dense_bf16(block, nwords, bitmap, tab, delta);
+        else s2_dense(block, nwords, shift, mask, bitmap, tab, nkeys, delta);
         break;
     case 4:
         s4_moves(src, count, delta);
-        s4_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+        s4_dense(block, nwords, shift, mask, bitmap, tab, nkeys, delta);
         break;
     default:
         s8_moves(src, count, delta);
-        s8_dense(block, nwords, shift, mask, off, bitmap, cn, jc, nkeys, delta);
+        s8_dense(block, nwords, shift, mask, bitmap, tab, nkeys, delta);
     }
     /* Every set bit is met by the walker of its half: a check of the bookkeeping. */
     first = 0;
     for (size_t c = 0; c < nctx; c++) {
         size_t e = (size_t)key[c];
         first += cnt[c];
-        if (jc[e] != (uint64_t)half[e] || jc[STRIDE(nkeys) + e] != (uint64_t)first)
+        if (tab[s + e] != (uint64_t)half[e] || tab[3 * s + e] != (uint64_t)first)
             return "context block points past the end of a context";
     }
     return NULL;
@@ -1784,7 +1901,7 @@ static const char *scatter_dense(uint8_t *block, size_t nwords, int word, int sh
 
 static size_t scatter_dense_scratch(size_t nwords, int word, int bits, size_t count) {
     size_t nkeys = (size_t)1 << bits;
-    return (4 * STRIDE(nkeys) + 2 * nkeys) * 8 + (nkeys + 4 * STRIDE(nkeys) + 2) * 4 +
+    return (4 * STRIDE(nkeys) + 2 * nkeys) * 8 + (nkeys + 4 * STRIDE(nkeys)) * 4 +
            (nwords / 64 + 1) * 8 + (count + 1) * (size_t)word;
 }
 
@@ -1873,10 +1990,10 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     if (take_planes(planes, (Py_ssize_t)count, word, "context_scatter", views, src, &held, &zero) < 0)
         goto done;
     int dense = count * SCATTER_DENSE_FROM >= nwords;
-    rank = malloc(count * 8);
+    if (!dense) rank = malloc(count * 8);
     scratch = dense ? calloc(1, scatter_dense_scratch(nwords, word, bits, count))
                     : malloc(nkeys * 8);
-    if (!rank || !scratch) {
+    if ((!dense && !rank) || !scratch) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1886,21 +2003,23 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     const uint8_t *ub = u.buf, *rb = rem.buf, *rend = rb + rem.len;
     const char *error = NULL;
     Py_BEGIN_ALLOW_THREADS
-    /* Each change's rank among its context's words, from the unary and remainder streams. */
-    uint64_t ubit = 0, rbit = 0;
-    int64_t first = 0;
-    for (size_t c = 0; c < nctx && !error; c++) {
-        error = context_run(ub, ulen, rb, rend, (size_t)cnt[c], (int)kof[c], nwords, ubit, rbit,
-                            rank + first, &ubit);
-        rbit += (uint64_t)cnt[c] * (uint64_t)kof[c];
-        first += cnt[c];
+    if (dense) {
+        error = scatter_dense(w.buf, nwords, word, shift, bits, key, kof, cnt, nctx, ub, ulen,
+                              rb, rend, (size_t)count, src, scratch);
+    } else {
+        /* Each change's rank among its context's words, from the unary and remainder streams. */
+        uint64_t ubit = 0, rbit = 0;
+        int64_t first = 0;
+        for (size_t c = 0; c < nctx && !error; c++) {
+            error = context_run(ub, ulen, rb, rend, (size_t)cnt[c], (int)kof[c], nwords, ubit,
+                                rbit, rank + first, &ubit);
+            rbit += (uint64_t)cnt[c] * (uint64_t)kof[c];
+            first += cnt[c];
+        }
+        if (!error)
+            error = scatter_sparse(w.buf, nwords, word, shift, bits, key, cnt, nctx, rank, src,
+                                   scratch);
     }
-    if (!error && dense)
-        error = scatter_dense(w.buf, nwords, word, shift, bits, key, cnt, nctx, rank,
-                              (size_t)count, src, scratch);
-    else if (!error)
-        error = scatter_sparse(w.buf, nwords, word, shift, bits, key, cnt, nctx, rank, src,
-                               scratch);
     Py_END_ALLOW_THREADS
     if (error) corrupt(error);
     else result = Py_NewRef(Py_None);
@@ -2117,7 +2236,8 @@ static int avx512_available(void) {
 #if HAVE_AVX512_LOOPS
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
+           __builtin_cpu_supports("bmi2");
 #else
     return 0;
 #endif
