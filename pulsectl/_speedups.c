@@ -1174,8 +1174,8 @@ static void c2_ranks_bf16(const uint8_t *block, size_t nwords, const int64_t *po
         T a_ = w[I], b_ = t[I];                                                               \
         uint32_t e_ = (uint32_t)((uint64_t)a_ >> shift) & mask;                               \
         T d_ = (T)(b_ - a_);                                                                  \
-        rank[m] = h0[e_] + h1[e_] + h2[e_] + h3[e_];                                          \
-        H[e_]++;                                                                              \
+        rank[m] = h[e_] + h[S_ + e_] + h[2 * S_ + e_] + h[3 * S_ + e_];                       \
+        h[(H) * S_ + e_]++;                                                                   \
         keyof[m] = (uint16_t)e_;                                                              \
         z[m] = (T)((T)(d_ << 1) ^ (T)((T)0 - (T)(d_ >> (8 * sizeof(T) - 1))));                \
         m += a_ != b_;                                                                        \
@@ -1198,18 +1198,17 @@ static void c2_ranks_bf16(const uint8_t *block, size_t nwords, const int64_t *po
                                     size_t nkeys, size_t n) {                                 \
         const T *w = (const T *)block, *t = (const T *)target;                                \
         T *z = (T *)moves;                                                                    \
-        int64_t *h0 = h, *h1 = h + STRIDE(nkeys), *h2 = h1 + STRIDE(nkeys),                  \
-                *h3 = h2 + STRIDE(nkeys);                                                     \
+        const size_t S_ = STRIDE(nkeys); /* the four tables, one register apart */            \
         size_t m = 0, i = 0;                                                                  \
         while (i < nwords && m <= n) {                                                        \
             size_t stop = nwords - i > DENSE_CHUNK ? i + DENSE_CHUNK : nwords;                \
             for (; i + 4 <= stop; i += 4) {                                                   \
-                DENSE_STEP(T, i, h0);                                                         \
-                DENSE_STEP(T, i + 1, h1);                                                     \
-                DENSE_STEP(T, i + 2, h2);                                                     \
-                DENSE_STEP(T, i + 3, h3);                                                     \
+                DENSE_STEP(T, i, 0);                                                          \
+                DENSE_STEP(T, i + 1, 1);                                                      \
+                DENSE_STEP(T, i + 2, 2);                                                      \
+                DENSE_STEP(T, i + 3, 3);                                                      \
             }                                                                                 \
-            for (; i < stop; i++) DENSE_STEP(T, i, h0);                                       \
+            for (; i < stop; i++) DENSE_STEP(T, i, 0);                                        \
         }                                                                                     \
         return m;                                                                             \
     }
@@ -1220,7 +1219,9 @@ DENSE_WALK_OF(c4, u32a)
 DENSE_WALK_OF(c8, u64a)
 
 /* BF16 (key: the exponent, shift 7, 8 bits) with its shift and mask known to the compiler. */
-static size_t c2_dense_walk_bf16(const uint8_t *block, const uint8_t *target, size_t nwords,
+/* Not inlined: inside context_encode the compiler kept the walk's pointers on the stack. */
+static __attribute__((noinline)) size_t c2_dense_walk_bf16(const uint8_t *block,
+                                                           const uint8_t *target, size_t nwords,
                                  int64_t *rank, uint16_t *keyof, uint8_t *moves, int64_t *h,
                                  size_t n) {
     return c2_dense_walk(block, target, nwords, 7, 0xFF, rank, keyof, moves, h, 256, n);
@@ -1449,12 +1450,14 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
     size_t contexts = 0;
     uint64_t unary_bits = 0, remainder_bits = 0;
     Py_BEGIN_ALLOW_THREADS
+    int dense = n * DENSE_FROM >= nwords;
     int64_t before = -1;
-    for (size_t j = 0; j < n; j++) {
+    /* The dense walk finds the changes itself and only needs their count. */
+    for (size_t j = 0; j < n && !dense; j++) {
         if (pos[j] <= before || (size_t)pos[j] >= nwords) bad = "positions must increase within the block";
         before = pos[j];
     }
-    if (!bad && n * DENSE_FROM >= nwords) {
+    if (!bad && dense) {
         size_t found;
         switch (word) {
         case 1: found = c1_dense_walk(old.buf, nw.buf, nwords, shift, mask, rank, keyof, moves, tables, nkeys, n); break;
@@ -1501,10 +1504,8 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         for (size_t j = 0; j < n; j++) {
             uint32_t e = keyof[j];
             uint64_t s = fill[e]++;
-            uint64_t g = (uint64_t)(rank[j] - last[e] - 1);
+            gaps[s] = (uint64_t)(rank[j] - last[e] - 1);
             last[e] = rank[j];
-            gaps[s] = g;
-            total[e] += g;
             if (word == 2) {
                 pl[s] = moves[2 * j];
                 pl[n + s] = moves[2 * j + 1];
@@ -1515,6 +1516,7 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         for (size_t e = 0; e < nkeys; e++) {
             size_t m = start[e + 1] - start[e];
             if (!m) continue;
+            total[e] = (uint64_t)(last[e] + 1) - m; /* the gaps add up to the last rank + 1 - m */
             ks[e] = (uint8_t)rice_search(gap_quotient_sums, gaps + start[e], m, total[e] / m,
                                          &quots[e]);
             unary_bits += quots[e] + m;
