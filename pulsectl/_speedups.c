@@ -1617,9 +1617,9 @@ done:
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
-    static void NAME##_sparse(uint8_t *block, size_t nwords, int shift, uint32_t mask,        \
-                              const uint64_t *next, uint64_t *state,                          \
-                              const uint8_t *const *src) {                                    \
+    static __attribute__((noinline)) void NAME##_sparse(                                      \
+        uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint64_t *next,        \
+        uint64_t *state, const uint8_t *const *src) {                                         \
         NAME##_sparse_steps(block, nwords, shift, mask, next, state, src);                    \
     }
 
@@ -1695,8 +1695,10 @@ CONTEXT_SCATTER_OF(s4, u32a)
 CONTEXT_SCATTER_OF(s8, u64a)
 
 /* BF16 (key: the exponent, shift 7, 8 bits) with its shift and mask known to the compiler. */
-static void s2_sparse_bf16(uint8_t *block, size_t nwords, const uint64_t *next,
-                           uint64_t *state, const uint8_t *const *src) {
+/* Not inlined: inside context_scatter the compiler kept the walk's pointers on the stack. */
+static __attribute__((noinline)) void s2_sparse_bf16(uint8_t *block, size_t nwords,
+                                                     const uint64_t *next, uint64_t *state,
+                                                     const uint8_t *const *src) {
     s2_sparse_steps(block, nwords, 7, 0xFF, next, state, src);
 }
 static void s2_halves_bf16(const uint8_t *block, size_t nwords, int64_t *h, int64_t *half,
