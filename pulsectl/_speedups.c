@@ -874,7 +874,8 @@ done:
         x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                               \
         memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                                \
     }                                                                                         \
-    static const char *NAME##_rice_scatter(                                                   \
+    /* Not inlined: inside rice_scatter the compiler kept the walk's state on the stack. */   \
+    static __attribute__((noinline)) const char *NAME##_rice_scatter(                         \
         uint8_t *restrict words, size_t nwords, const uint8_t *ub, size_t ulen,               \
         const uint8_t *rb, const uint8_t *rend, size_t count, int k,                          \
         const uint8_t *const *src) {                                                          \
