@@ -1671,8 +1671,7 @@ static inline size_t walk_split(size_t nwords, size_t word) {
     }                                                                                         \
     static __attribute__((noinline)) void NAME##_dense(                                       \
         uint8_t *block, size_t nwords, int shift, uint32_t mask, const uint64_t *bits,        \
-        uint32_t *tab, size_t nkeys,                                                          \
-                             const T *delta) {                                                \
+        uint32_t *tab, size_t nkeys, const T *delta) {                                        \
         NAME##_dense_steps(block, nwords, shift, mask, bits, tab, nkeys, delta);              \
     }                                                                                         \
     /* Each key's words before walk_split (half[e]) and in all of the block (all[e]). */     \
@@ -1848,9 +1847,9 @@ static const char *scatter_dense(uint8_t *block, size_t nwords, int word, int sh
     uint32_t at = 0; /* key e's ranks at bits [off[e], off[e] + all[e]) */
     for (size_t e = 0; e < nkeys; e++) {
         off[e] = at;
-        tab[e] = at;                          /* the first walker's bit: rank 0 of the key */
-        tab[2 * s + e] = at + (uint32_t)half[e]; /* the second's: the key's first in its half */
-        tab[s + e] = tab[3 * s + e] = 0;      /* keys without changes: never used */
+        tab[e] = at;                             /* the first walker's bit: the key's rank 0 */
+        tab[2 * s + e] = at + (uint32_t)half[e]; /* the second's: its first rank past the split */
+        tab[s + e] = tab[3 * s + e] = 0;         /* keys without changes: never used */
         at += (uint32_t)all[e];
     }
     uint64_t ubit = 0, rbit = 0;
