@@ -8,54 +8,75 @@ For each chain pair (the chains of benchmarks/run.py, built or reused in OUT/cha
 `--level max` spends its time in: ``context_encode`` (diff) and ``context_scatter`` (apply, in
 place on a copy of the base block), with codec 4's payload made beforehand. Figures are CPU
 time of this thread (not wall time: other work on a shared machine moves that more), the best
-of ``--rounds``, summed over the blocks and divided by their words.
+of ``--rounds`` calls on each block, summed over the blocks and divided by their words.
 
-``--against DIR`` runs the same in a child Python that imports pulsectl from DIR (another
-checkout, with its extension built in place: ``python setup.py build_ext --inplace``), round
-by round in turn with this checkout, and prints both: the way to measure a change to
-pulsectl/_speedups.c against the code before it.
+``--against DIR`` loads the compiled extension of another checkout DIR (built in place:
+``python setup.py build_ext --inplace``) into this process beside this checkout's, and calls
+the two in turn on the same block, round by round: the way to measure a change to
+pulsectl/_speedups.c against the code before it. Both must give the same payloads and the same
+rebuilt blocks. (Timing the other checkout in a child process instead, as this script once
+did, moved figures of identical code by up to a fifth between the two on a shared 2-core
+machine; calls in turn in one process agree within a few per cent.)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's idle BLAS threads spin otherwise
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-if "--import-from" in sys.argv:  # the child of --against: pulsectl from that checkout
-    sys.path.insert(0, sys.argv[sys.argv.index("--import-from") + 1])
 
 BLOCK = 8 << 20
 # The chains of benchmarks/run.py (its LRS and KS): asking for other steps would rebuild them.
 RUN_STEPS = (1, 4, 16)
 
 
-def measure(pairs: list[tuple[Path, Path]], nblocks: int) -> list[dict[str, float]]:
-    """One round: per pair, ns per word of each loop and the share of changed words."""
+def load_extension(checkout: Path) -> Any:
+    """The compiled extension of another checkout, under a name of its own."""
+    found = sorted((checkout / "pulsectl").glob("_speedups*.so")) + sorted(
+        (checkout / "pulsectl").glob("_speedups*.pyd")
+    )
+    if not found:
+        sys.exit(
+            f"{checkout}/pulsectl has no compiled extension: build it in place there "
+            "(python setup.py build_ext --inplace)"
+        )
+    spec = importlib.util.spec_from_file_location("pulsectl_against._speedups", found[0])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from pulsectl.errors import CorruptPatchError
+
+    module.set_corrupt_error(CorruptPatchError)
+    return module
+
+
+def measure(
+    pairs: list[tuple[Path, Path]], nblocks: int, rounds: int, loops: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Per pair: the share of changed words, and ns per word of each loop of each build."""
     import numpy as np
 
     from benchmarks.tensors import data_region
-    from pulsectl.codecs import _fast, context
+    from pulsectl.codecs import context
     from pulsectl.codecs._bits import value_plane_bytes
 
-    fast = _fast.native
-    if fast is None:
-        sys.exit("the compiled loops are not built (pip install -e . with a C compiler)")
     key = context.KEYS["BF16"]
     rows = []
     for old_path, new_path in pairs:
         start, end = data_region(new_path)
         a = np.memmap(old_path, dtype=np.uint8, mode="r")
         b = np.memmap(new_path, dtype=np.uint8, mode="r")
-        enc = dec = 0.0
+        enc = dict.fromkeys(loops, 0.0)
+        dec = dict.fromkeys(loops, 0.0)
         words = changed = 0
         for at in np.linspace(start, end - BLOCK, nblocks).astype(np.int64):
             at = int(at) // 2 * 2
@@ -63,9 +84,6 @@ def measure(pairs: list[tuple[Path, Path]], nblocks: int) -> list[dict[str, floa
             pos = np.flatnonzero(old.view(np.uint16) != new.view(np.uint16)).astype(np.int64)
             if pos.size == 0:
                 continue
-            t = time.thread_time()
-            fast.context_encode(old, new, 2, key[0], key[1], pos)
-            enc += time.thread_time() - t
             payload = context.encode(old, new, 2, pos, key, 19)
             view, count, shift, bits, keys, ks, counts, unary, remainder, offset = context._parse(
                 payload, 2, old.size // 2
@@ -74,18 +92,37 @@ def measure(pairs: list[tuple[Path, Path]], nblocks: int) -> list[dict[str, floa
                 None if p is None else bytes(p) for p in value_plane_bytes(view, offset, count, 2)
             )
             block = old.copy()
-            t = time.thread_time()
-            fast.context_scatter(block, 2, shift, bits, keys, ks, counts, unary, remainder, planes)
-            dec += time.thread_time() - t
-            if block.tobytes() != new.tobytes():
-                sys.exit(f"context_scatter did not rebuild a block of {new_path}")
+            best_enc = dict.fromkeys(loops, float("inf"))
+            best_dec = dict.fromkeys(loops, float("inf"))
+            first: Any = None
+            for _ in range(rounds):
+                for name, fast in loops.items():
+                    t = time.thread_time()
+                    got = fast.context_encode(old, new, 2, key[0], key[1], pos)
+                    best_enc[name] = min(best_enc[name], time.thread_time() - t)
+                    got = tuple(bytes(part) for part in got)
+                    if first is None:
+                        first = got
+                    elif got != first:
+                        sys.exit(f"context_encode of {name} gave other bytes on {new_path}")
+                    block[:] = old
+                    t = time.thread_time()
+                    fast.context_scatter(
+                        block, 2, shift, bits, keys, ks, counts, unary, remainder, planes
+                    )
+                    best_dec[name] = min(best_dec[name], time.thread_time() - t)
+                    if block.tobytes() != new.tobytes():
+                        sys.exit(f"context_scatter of {name} did not rebuild a block of {new_path}")
+            for name in loops:
+                enc[name] += best_enc[name]
+                dec[name] += best_dec[name]
             words += old.size // 2
             changed += pos.size
         rows.append(
             {
                 "changed": changed / words,
-                "context_encode_ns": enc / words * 1e9,
-                "context_scatter_ns": dec / words * 1e9,
+                "context_encode_ns": {n: v / words * 1e9 for n, v in enc.items()},
+                "context_scatter_ns": {n: v / words * 1e9 for n, v in dec.items()},
             }
         )
     return rows
@@ -100,47 +137,33 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", type=Path, default=None)
-    ap.add_argument("--import-from", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     from benchmarks.chains import ensure_chain, step_path
+    from pulsectl.codecs import _fast
 
+    from pulsectl.cli.entry import _keep_freed_memory
+
+    _keep_freed_memory()  # as the command-line tool does: no fresh pages for each block's buffers
+    if _fast.native is None:
+        sys.exit("the compiled loops are not built (pip install -e . with a C compiler)")
+    loops = {"this checkout": _fast.native}
+    if args.against:
+        loops[str(args.against)] = load_extension(args.against)
     pairs = []
     for lr in args.lrs:
         steps = (*RUN_STEPS, *args.ks)
         d = ensure_chain(args.out / "chains", args.preset, lr, max(steps), {0, *steps})
         pairs += [(step_path(d, 0), step_path(d, k)) for k in args.ks]
-    if args.import_from:  # one round, for a parent that compares checkouts
-        import pulsectl
-
-        if Path(pulsectl.__file__).resolve().parent.parent != args.import_from.resolve():
-            sys.exit(f"pulsectl was imported from {pulsectl.__file__}, not {args.import_from}")
-        print(json.dumps(measure(pairs, args.blocks)))
-        return
+    rows = measure(pairs, args.blocks, args.rounds, loops)
     labels = [f"lr {lr:g} k {k}" for lr in args.lrs for k in args.ks]
-    names = ["this checkout"] + ([str(args.against)] if args.against else [])
-    best: dict[str, list[dict[str, float]]] = {}
-    for _ in range(args.rounds):
-        for name in names:
-            if name == "this checkout":
-                got = measure(pairs, args.blocks)
-            else:
-                child = [sys.executable, __file__, "--import-from", str(args.against)]
-                child += ["--blocks", str(args.blocks), "--out", str(args.out)]
-                child += ["--preset", args.preset, "--ks", *map(str, args.ks)]
-                child += ["--lrs", *map(str, args.lrs)]
-                done = subprocess.run(child, check=True, capture_output=True, text=True)
-                got = json.loads(done.stdout)
-            have = best.setdefault(name, got)
-            for h, g in zip(have, got, strict=True):
-                for k in ("context_encode_ns", "context_scatter_ns"):
-                    h[k] = min(h[k], g[k])
+    names = list(loops)
     print(f"{'pair':<16} {'changed':>8}  " + "  ".join(f"{n[-24:]:>24}" for n in names))
     for loop in ("context_encode_ns", "context_scatter_ns"):
-        print(f"{loop[:-3]} (ns per word, best of {args.rounds})")
-        for i, label in enumerate(labels):
-            figs = "  ".join(f"{best[n][i][loop]:>24.3f}" for n in names)
-            print(f"{label:<16} {best[names[0]][i]['changed']:>8.3%}  {figs}")
+        print(f"{loop[:-3]} (ns per word, best of {args.rounds} per block)")
+        for label, row in zip(labels, rows, strict=True):
+            figs = "  ".join(f"{row[loop][n]:>24.3f}" for n in names)
+            print(f"{label:<16} {row['changed']:>8.3%}  {figs}")
 
 
 if __name__ == "__main__":

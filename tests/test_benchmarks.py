@@ -1,0 +1,47 @@
+"""benchmarks/loops.py, the A/B timer of the compiled loops, runs as the README says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pulsectl.codecs import _fast
+
+REPO = Path(__file__).resolve().parent.parent
+LOOPS = REPO / "benchmarks" / "loops.py"
+
+needs_native = pytest.mark.skipif(_fast.native is None, reason="pulsectl._speedups is not built")
+
+
+def _loops(tmp_path: Path, against: Path) -> subprocess.CompletedProcess[str]:
+    args = ["--out", str(tmp_path), "--preset", "small", "--lrs", "1e-5", "--ks", "1"]
+    args += ["--blocks", "1", "--rounds", "2", "--against", str(against)]
+    return subprocess.run(
+        [sys.executable, str(LOOPS), *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@needs_native
+def test_loops_times_both_builds_on_the_same_blocks(tmp_path: Path):
+    """Against this same checkout: both columns filled for both loops; the script checks
+    that the two builds give the same payloads and rebuilt blocks, or it exits non-zero."""
+    done = _loops(tmp_path, REPO)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("lr 1e-05 k 1")]
+    assert len(rows) == 2  # context_encode, context_scatter
+    for row in rows:
+        changed, *figures = row.split()[4:]  # after "lr 1e-05 k 1"
+        assert changed.endswith("%"), row
+        assert len(figures) == 2 and all(float(f) > 0 for f in figures), row
+
+
+@needs_native
+def test_loops_refuses_a_checkout_without_its_extension(tmp_path: Path):
+    other = tmp_path / "other"
+    (other / "pulsectl").mkdir(parents=True)
+    done = _loops(tmp_path, other)
+    assert done.returncode != 0
+    assert "build it in place" in done.stderr
