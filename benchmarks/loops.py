@@ -140,9 +140,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from benchmarks.chains import ensure_chain, step_path
-    from pulsectl.codecs import _fast
-
     from pulsectl.cli.entry import _keep_freed_memory
+    from pulsectl.codecs import _fast
 
     _keep_freed_memory()  # as the command-line tool does: no fresh pages for each block's buffers
     if _fast.native is None:

@@ -18,14 +18,15 @@
 #endif
 
 /* Where the compiler can target AVX-512 in one function (GCC and Clang on x86-64), the hottest
- * loops of `diff` get such versions, used when the CPU has AVX-512 (with VBMI2, for compressing
- * 16-bit lanes) and the OS saves its registers; other machines run the portable loops, which
+ * loops get such versions, used when the CPU has AVX-512 (with VBMI and VBMI2, for permuting
+ * and compressing bytes and 16-bit lanes) and the OS saves its registers; other machines run the portable loops, which
  * give the same results. Older compilers (GCC or Clang before 9) build only the portable ones. */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) ||                 \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9))
 #define HAVE_AVX512_LOOPS 1
 #include <immintrin.h>
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
+#define AVX512_TARGET                                                                     \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt")))
 #else
 #define HAVE_AVX512_LOOPS 0
 #endif
@@ -38,6 +39,7 @@ static int use_avx512 = 0; /* set at import where the CPU has it; tests switch i
 #endif
 
 #define MAX_RICE_K 31
+#define RICE_VEC_BATCH 256 /* positions the AVX-512 Rice walk hands out per call */
 
 static PyObject *CorruptError; /* set by the Python side: pulsectl.errors.CorruptPatchError */
 
@@ -767,13 +769,15 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
  * (0 and 0 for a codec 5 block, where the compiler drops them; codec 4 codes one run per
  * context, one after the other); PAST is the error for a position past the end, and DONE
  * runs once all `count` codes are read, with `end_before` the bit of the last one's 0-bit.
+ * The walk may start part way, at code FOUND0 whose code before ended at bit UBIT0 - 1 and
+ * gave position AT0 (0 and -1 from the start), its remainder at bit RBIT0 + FOUND0 k.
  * Returns the error (a static string) or NULL. Used by rice_decode, rice_scatter and
  * context_scatter. */
-#define RICE_WALK(UBIT0, RBIT0, PAST, EMIT, DONE)                                             \
+#define RICE_WALK(UBIT0, RBIT0, FOUND0, AT0, PAST, EMIT, DONE)                                \
     const uint8_t *uend = ub + ulen;                                                          \
     uint64_t limit = (uint64_t)nwords >> k;                                                   \
-    int64_t at = -1, end_before = (int64_t)(UBIT0) - 1;                                       \
-    size_t found = 0;                                                                         \
+    int64_t at = (AT0), end_before = (int64_t)(UBIT0) - 1;                                    \
+    size_t found = (FOUND0);                                                                  \
     for (size_t w = (UBIT0) / 64; w * 8 < ulen && found < count; w++) {                       \
         uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF); /* past the end: no zeros */     \
         if (w == (UBIT0) / 64) zeros &= ~0ull >> ((UBIT0) % 64); /* codes before the run */  \
@@ -800,10 +804,202 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
 
 #define RICE_PAST "rice block points past the end of its block"
 
+/* ---- Rice codes decoded 16 at a time (AVX-512)
+ *
+ * The scalar walk finds each code's end with a count of leading zeros that waits for the one
+ * before (about 4.4 ns a change on a 42%-changed BF16 block here). With AVX-512 the walk goes
+ * in two steps instead, with no chain from change to change but an addition:
+ * - the ends of 64 bits of unary codes at once: the stream's 0-bits, compressed out of a byte
+ *   table by their mask (VPCOMPRESSB), into a small buffer of 32-bit bit indices;
+ * - 16 positions at once from 16 ends: position i = (q[0] + ... + q[i] << k) + r[0] + ... +
+ *   r[i] + i, where q[0] + ... + q[i] = end[i] - i; the 16 k-bit remainders come out of one
+ *   64-byte load by one byte permutation (VPERMB) and a shift per lane, and their running sum
+ *   is a scan of 4 steps.
+ * The vector walk takes groups of 16 whole codes whose positions all lie in the block; it
+ * stops at the first group that does not, or where whole 64-bit words of the unary stream run
+ * out, and the scalar walk goes on from there (and finds the error, if there is one, as it
+ * would have from the start). With 32-bit lanes it needs fewer than 2^27 words in the block
+ * (its positions, unary bits and sums of remainders stay below 2^31) and k <= 24. */
+#if HAVE_AVX512_LOOPS
+#define RICE_VEC_WORDS ((size_t)1 << 27)
+#define RICE_VEC_MAX_K 24
+#define RICE_VEC_FILL 192  /* the ends buffer is refilled up to this many */
+
+typedef struct {
+    const uint8_t *ub, *rb;
+    size_t uwords, rlen, count, nwords;
+    int k, stopped;
+    size_t found;      /* codes turned into positions */
+    size_t next;       /* the next 64-bit word of the unary stream to read */
+    size_t head, tail; /* ends[head:tail]: ends found, not yet used */
+    uint32_t rsum;     /* r[0] + ... + r[found - 1] */
+    int64_t at, end_before; /* the last position handed out and its code's end (-1: none) */
+    uint8_t take[64];  /* remainder j's four bytes (most significant first), for VPERMB */
+    uint32_t shift[16];
+    uint32_t ends[RICE_VEC_FILL + 64 + 16];
+} RiceVec;
+
+static int rice_vec_fits(size_t nwords, size_t count, int k) {
+    return use_avx512 && nwords < RICE_VEC_WORDS && k <= RICE_VEC_MAX_K && count >= 16;
+}
+
+static void rice_vec_init(RiceVec *v, const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                          const uint8_t *rend, size_t count, int k, size_t nwords) {
+    v->ub = ub;
+    v->rb = rb;
+    v->uwords = ulen / 8;
+    v->rlen = (size_t)(rend - rb);
+    v->count = count;
+    v->nwords = nwords;
+    v->k = k;
+    v->stopped = 0;
+    v->found = v->next = v->head = v->tail = 0;
+    v->rsum = 0;
+    v->at = v->end_before = -1;
+    /* Groups start at a multiple of 16 codes, so at a whole byte of the remainder stream:
+     * remainder j of a group starts at bit j k of the 64 bytes loaded there. */
+    for (int j = 0; j < 16; j++) {
+        int bit = j * k;
+        for (int b = 0; b < 4; b++) v->take[4 * j + b] = (uint8_t)((bit >> 3) + 3 - b);
+        v->shift[j] = (uint32_t)(bit & 7);
+    }
+}
+
+/* The ends of the next 64-bit word of the unary stream appended to v->ends. */
+static inline __attribute__((always_inline)) AVX512_TARGET void rice_vec_read(RiceVec *v,
+                                                                             __m512i iota8,
+                                                                             __m512i down8) {
+    uint64_t raw;
+    memcpy(&raw, v->ub + 8 * v->next, 8);
+    /* Bit j of the stream (most significant first) is bit 63 - j of z; down8's byte m is
+     * 63 - m, so the compressed bytes are the ends, last first: reversed by the permutation. */
+    uint64_t z = ~__builtin_bswap64(raw);
+    int c = __builtin_popcountll(z);
+    __m512i e = _mm512_maskz_compress_epi8(z, down8);
+    e = _mm512_permutexvar_epi8(_mm512_sub_epi8(_mm512_set1_epi8((char)(c - 1)), iota8), e);
+    __m512i base = _mm512_set1_epi32((int)(64 * v->next));
+    uint32_t *dst = v->ends + v->tail;
+    _mm512_storeu_si512(dst, _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(e)), base));
+    if (c > 16) {
+        _mm512_storeu_si512(dst + 16, _mm512_add_epi32(
+            _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(e, 1)), base));
+        if (c > 32) {
+            _mm512_storeu_si512(dst + 32, _mm512_add_epi32(
+                _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(e, 2)), base));
+            _mm512_storeu_si512(dst + 48, _mm512_add_epi32(
+                _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(e, 3)), base));
+        }
+    }
+    v->tail += (size_t)c;
+    v->next++;
+}
+
+/* Up to RICE_VEC_BATCH more positions (a multiple of 16) into out; 0 once the vector walk is
+ * done, at v->found codes. */
+static AVX512_TARGET __attribute__((noinline)) size_t rice_vec_positions(RiceVec *v,
+                                                                        uint32_t *out) {
+    if (v->stopped) return 0;
+    const __m512i iota8 = _mm512_set_epi8(
+        63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
+        41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
+        19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i down8 = _mm512_sub_epi8(_mm512_set1_epi8(63), iota8);
+    const __m512i zero = _mm512_setzero_si512(), last = _mm512_set1_epi32(15);
+    const int k = v->k;
+    const __m128i up = _mm_cvtsi32_si128(k), down = _mm_cvtsi32_si128(32 - k);
+    const __m512i limit = _mm512_set1_epi32((int)(v->nwords >> k));
+    const __m512i nwords = _mm512_set1_epi32((int)v->nwords);
+    const __m512i take = _mm512_loadu_si512(v->take), shift = _mm512_loadu_si512(v->shift);
+    __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32((int)v->found),
+                                     _mm512_cvtepu8_epi32(_mm512_castsi512_si128(iota8)));
+    __m512i rsum = _mm512_set1_epi32((int)v->rsum);
+    __m512i pos = zero, ends = zero;
+    size_t n = 0;
+    while (n < RICE_VEC_BATCH) {
+        if (v->found + 16 > v->count) {
+            v->stopped = 1;
+            break;
+        }
+        if (v->tail - v->head < 16) {
+            /* Move the few ends left to the front (one vector: the buffer has room past
+             * tail), then read words of the stream until the buffer is nearly full. */
+            _mm512_storeu_si512(v->ends, _mm512_loadu_si512(v->ends + v->head));
+            v->tail -= v->head;
+            v->head = 0;
+            while (v->tail < RICE_VEC_FILL && v->next < v->uwords) rice_vec_read(v, iota8, down8);
+            if (v->tail < 16) {
+                v->stopped = 1;
+                break;
+            }
+        }
+        __m512i e = _mm512_loadu_si512(v->ends + v->head);
+        __m512i q = _mm512_sub_epi32(e, lanes); /* q[0] + ... + q[i] */
+        if (_mm512_cmpgt_epu32_mask(q, limit)) {
+            v->stopped = 1;
+            break;
+        }
+        __m512i p = e, sum = rsum;
+        if (k) {
+            size_t byte = (v->found * (size_t)k) >> 3, left = v->rlen - byte;
+            __m512i w = left >= 64 ? _mm512_loadu_si512(v->rb + byte)
+                                   : _mm512_maskz_loadu_epi8((1ull << left) - 1, v->rb + byte);
+            __m512i r = _mm512_srl_epi32(
+                _mm512_sllv_epi32(_mm512_permutexvar_epi8(take, w), shift), down);
+            r = _mm512_add_epi32(r, _mm512_alignr_epi32(r, zero, 15));
+            r = _mm512_add_epi32(r, _mm512_alignr_epi32(r, zero, 14));
+            r = _mm512_add_epi32(r, _mm512_alignr_epi32(r, zero, 12));
+            r = _mm512_add_epi32(r, _mm512_alignr_epi32(r, zero, 8));
+            r = _mm512_add_epi32(r, rsum);
+            sum = _mm512_permutexvar_epi32(last, r);
+            p = _mm512_add_epi32(_mm512_add_epi32(_mm512_sll_epi32(q, up), r), lanes);
+        }
+        if (_mm512_cmpge_epu32_mask(p, nwords)) {
+            v->stopped = 1;
+            break;
+        }
+        _mm512_storeu_si512(out + n, p);
+        pos = p;
+        ends = e;
+        rsum = sum;
+        lanes = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
+        v->found += 16;
+        v->head += 16;
+        n += 16;
+    }
+    if (n) {
+        v->at = (int64_t)(uint32_t)_mm512_cvtsi512_si32(_mm512_permutexvar_epi32(last, pos));
+        v->end_before =
+            (int64_t)(uint32_t)_mm512_cvtsi512_si32(_mm512_permutexvar_epi32(last, ends));
+        v->rsum = (uint32_t)_mm512_cvtsi512_si32(rsum);
+    }
+    return n;
+}
+#endif
+
+static const char *rice_walk_positions(const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                                       const uint8_t *rend, size_t count, int k, size_t nwords,
+                                       int64_t *out, uint64_t ubit0, size_t found0, int64_t at0) {
+    RICE_WALK(ubit0, 0, found0, at0, RICE_PAST, out[found] = at, (void)0)
+}
+
 static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t *rb,
                                   const uint8_t *rend, size_t count, int k, size_t nwords,
                                   int64_t *out) {
-    RICE_WALK(0, 0, RICE_PAST, out[found] = at, (void)0)
+    size_t found = 0;
+    int64_t at = -1, end_before = -1;
+#if HAVE_AVX512_LOOPS
+    if (rice_vec_fits(nwords, count, k)) {
+        RiceVec v;
+        uint32_t batch[RICE_VEC_BATCH];
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords);
+        for (size_t n; (n = rice_vec_positions(&v, batch));)
+            for (size_t j = 0; j < n; j++) out[found++] = batch[j];
+        at = v.at;
+        end_before = v.end_before;
+    }
+#endif
+    return rice_walk_positions(ub, ulen, rb, rend, count, k, nwords, out,
+                               (uint64_t)(end_before + 1), found, at);
 }
 
 /* One context's run of a codec 4 block: each change's rank among the words of its key (the
@@ -813,15 +1009,13 @@ static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t 
 static const char *context_run(const uint8_t *ub, size_t ulen, const uint8_t *rb,
                                const uint8_t *rend, size_t count, int k, size_t nwords,
                                uint64_t ubit0, uint64_t rbit0, int64_t *out, uint64_t *next) {
-    RICE_WALK(ubit0, rbit0, "context block points past the end of a context", out[found] = at,
+    RICE_WALK(ubit0, rbit0, 0, -1, "context block points past the end of a context", out[found] = at,
               *next = (uint64_t)(end_before + 1))
 }
 
 /* rice_decode(unary, remainder, count, k, nwords) -> positions (int64, as a bytearray).
  *
- * Two tight passes instead of one bit by bit: first the bit index of each unary code's
- * ending zero (ends[i] = q[0] + ... + q[i] + i), then each position from the step between
- * ends and the k-bit remainder read at bit i * k. */
+ * The walk of RICE_WALK, 16 codes at a time with AVX-512 where it can (rice_vec_positions). */
 static PyObject *rice_decode(PyObject *self, PyObject *args) {
     Py_buffer u, rem;
     Py_ssize_t count, nwords;
@@ -862,6 +1056,22 @@ done:
 /* The loop of rice_scatter for one word type: the walk of rice_decode, each word moved at
  * once by the zigzag value its planes hold (unzigzag, then scatter_add). */
 #define SCATTER_AHEAD 4096
+#if HAVE_AVX512_LOOPS
+/* The positions of the vector walk (rice_vec_positions), a batch at a time, then the rest by
+ * the scalar walk. */
+#define RICE_SCATTER_VEC(NAME)                                                                \
+    if (rice_vec_fits(nwords, count, k)) {                                                    \
+        RiceVec v;                                                                            \
+        uint32_t batch[RICE_VEC_BATCH];                                                       \
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords);                              \
+        for (size_t n; (n = rice_vec_positions(&v, batch)); found += n)                       \
+            NAME##_add_batch(words, batch, n, src, found);                                    \
+        at = v.at;                                                                            \
+        end_before = v.end_before;                                                            \
+    }
+#else
+#define RICE_SCATTER_VEC(NAME)
+#endif
 #define RICE_SCATTER_OF(NAME, T)                                                              \
     static inline void NAME##_add(uint8_t *words, int64_t at, const uint8_t *const *src,      \
                                   size_t i) {                                                 \
@@ -874,12 +1084,38 @@ done:
         x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                               \
         memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                                \
     }                                                                                         \
+    static inline void NAME##_add_batch(uint8_t *restrict words, const uint32_t *at,          \
+                                        size_t n, const uint8_t *const *src, size_t from) {   \
+        T moves[RICE_VEC_BATCH];                                                              \
+        for (size_t i = 0; i < n; i++) {                                                      \
+            T z = 0;                                                                          \
+            for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][from + i] << (8 * j));   \
+            moves[i] = (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1)));                             \
+        }                                                                                     \
+        for (size_t i = 0; i < n; i++) {                                                      \
+            T x;                                                                              \
+            memcpy(&x, words + sizeof(T) * (size_t)at[i], sizeof(T));                         \
+            x = (T)(x + moves[i]);                                                            \
+            memcpy(words + sizeof(T) * (size_t)at[i], &x, sizeof(T));                         \
+        }                                                                                     \
+    }                                                                                         \
     /* Not inlined: inside rice_scatter the compiler kept the walk's state on the stack. */   \
-    static __attribute__((noinline)) const char *NAME##_rice_scatter(                         \
+    static __attribute__((noinline)) const char *NAME##_rice_walk(                            \
         uint8_t *restrict words, size_t nwords, const uint8_t *ub, size_t ulen,               \
         const uint8_t *rb, const uint8_t *rend, size_t count, int k,                          \
-        const uint8_t *const *src) {                                                          \
-        RICE_WALK(0, 0, RICE_PAST, NAME##_add(words, at, src, found), (void)0)                \
+        const uint8_t *const *src, uint64_t ubit0, size_t found0, int64_t at0) {              \
+        RICE_WALK(ubit0, 0, found0, at0, RICE_PAST, NAME##_add(words, at, src, found),        \
+                  (void)0)                                                                    \
+    }                                                                                         \
+    static const char *NAME##_rice_scatter(uint8_t *restrict words, size_t nwords,            \
+                                           const uint8_t *ub, size_t ulen, const uint8_t *rb, \
+                                           const uint8_t *rend, size_t count, int k,          \
+                                           const uint8_t *const *src) {                       \
+        size_t found = 0;                                                                     \
+        int64_t at = -1, end_before = -1;                                                     \
+        RICE_SCATTER_VEC(NAME)                                                                \
+        return NAME##_rice_walk(words, nwords, ub, ulen, rb, rend, count, k, src,             \
+                                (uint64_t)(end_before + 1), found, at);                       \
     }
 
 RICE_SCATTER_OF(r1, uint8_t)
@@ -1759,7 +1995,7 @@ static const char *context_bits(
     size_t nwords, uint64_t ubit0, uint64_t rbit0, uint64_t *bitmap, uint64_t off,
     uint64_t *next) {
     BitSetter b = {bitmap, off >> 6, 0};
-    RICE_WALK(ubit0, rbit0, "context block points past the end of a context",
+    RICE_WALK(ubit0, rbit0, 0, -1, "context block points past the end of a context",
               set_next_bit(&b, off + (uint64_t)at),
               (bitmap[b.word] |= b.acc, *next = (uint64_t)(end_before + 1)))
 }
@@ -2240,7 +2476,8 @@ static int avx512_available(void) {
 #if HAVE_AVX512_LOOPS
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("avx512vbmi2") &&
            __builtin_cpu_supports("bmi2");
 #else
     return 0;

@@ -203,12 +203,13 @@ def test_rice_streams_and_decoding_agree(positions: np.ndarray):
     for size in both(lambda: rice.rice_size(positions)):
         assert size == (k, len(unary), len(remainder))
     nwords = int(positions[-1]) + 1
-    for streams_nwords in (nwords, nwords + 12345):
-        decoded = NATIVE.rice_decode(unary, remainder, positions.size, k, streams_nwords)
-        assert np.array_equal(np.frombuffer(decoded, np.int64), positions)
-    if positions.size < nwords:  # (more changes than words is refused before decoding)
-        with pytest.raises(CorruptPatchError):  # one word short of the last position
-            NATIVE.rice_decode(unary, remainder, positions.size, k, nwords - 1)
+    for loops in simd_modes():  # decoded 16 codes at a time with AVX-512 where it can
+        for streams_nwords in (nwords, nwords + 12345):
+            decoded = NATIVE.rice_decode(unary, remainder, positions.size, k, streams_nwords)
+            assert np.array_equal(np.frombuffer(decoded, np.int64), positions), loops
+        if positions.size < nwords:  # (more changes than words is refused before decoding)
+            with pytest.raises(CorruptPatchError):  # one word short of the last position
+                NATIVE.rice_decode(unary, remainder, positions.size, k, nwords - 1)
 
 
 def _rice_payload(positions: np.ndarray, word: int = 2) -> bytes:
@@ -278,8 +279,6 @@ def test_rice_blocks_applied_in_place_agree(word, count, scale, spare, seed):
     moved[rng.random(count) < 0.4] = np.asarray(-1 & (2 ** (8 * word) - 1), dtype=utype)
     payload = rice.encode_moves(positions, moved, word, 3)
     old = rng.integers(0, 256, nwords * word, dtype=np.uint8)
-    fast = old.copy()
-    assert rice.add_in_place(fast, payload, word)
     with pure_numpy():
         slow = old.copy()
         assert not rice.add_in_place(slow, payload, word)  # the numpy path takes over
@@ -287,7 +286,144 @@ def test_rice_blocks_applied_in_place_agree(word, count, scale, spare, seed):
         add_moves(slow, at, moves, word)
     want = old.copy()
     want.view(utype)[positions] += moved
-    assert fast.tobytes() == slow.tobytes() == want.tobytes()
+    assert slow.tobytes() == want.tobytes()
+    for loops in simd_modes():  # the AVX-512 walk decodes 16 codes at a time
+        fast = old.copy()
+        assert rice.add_in_place(fast, payload, word)
+        assert fast.tobytes() == want.tobytes(), loops
+
+
+def _damaged_rice_payload(
+    word: int, positions: np.ndarray, cut: int, flips: list[int], rflips: list[int], pad: bytes
+) -> bytes:
+    """A Rice payload (unit moves) with its unary stream cut short by ``cut`` bytes, or
+    followed by ``pad`` (bits after the last code are not read), and the bits at ``flips`` of it
+    and ``rflips`` of the remainder stream flipped."""
+    payload = _rice_payload(positions, word)
+    view, count, k, unary, remainder, offset = rice._streams(payload, word, int(positions[-1]) + 1)
+    streams = []
+    for stream, at in ((bytearray(unary), flips), (bytearray(remainder), rflips)):
+        for f in at if stream else ():
+            stream[(f // 8) % len(stream)] ^= 0x80 >> (f % 8)
+        streams.append(stream)
+    unary_bytes = bytes(streams[0][: max(0, len(streams[0]) - cut)]) + (pad if not cut else b"")
+    return b"".join(
+        [
+            payload[: rice._HEAD.size],
+            len(unary_bytes).to_bytes(4, "little"),
+            unary_bytes,
+            len(streams[1]).to_bytes(4, "little"),
+            bytes(streams[1]),
+            payload[offset:],
+        ]
+    )
+
+
+def _rice_bits(
+    quotients: list[int], remainders: list[int], k: int, pad: bytes
+) -> tuple[bytes, bytes]:
+    """Unary and remainder streams written bit by bit (most significant first), the unary one
+    followed by ``pad``."""
+
+    def packed(bits: str) -> bytes:
+        bits += "0" * (-len(bits) % 8)
+        return bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
+
+    unary = packed("".join("1" * q + "0" for q in quotients)) + pad
+    remainder = packed("".join(format(r, f"0{k}b") for r in remainders)) if k else b""
+    return unary, remainder
+
+
+@needs_native
+@pytest.mark.parametrize("count", [16, 64, 1000])
+@pytest.mark.parametrize("pad", [b"", b"\xff" * 8, b"\x00" * 16])
+def test_rice_last_position_at_the_block_end(count: int, pad: bytes):
+    """A last position of exactly nwords - 1 decodes; one block word fewer is refused, in both
+    walks (the padding puts the last codes in whole 64-bit words, where the AVX-512 walk takes
+    them)."""
+    rng = np.random.default_rng(count)
+    k = 3
+    gaps = rng.integers(0, 40, count)
+    unary, remainder = _rice_bits(list(gaps >> k), list(gaps & 7), k, pad)
+    positions = np.cumsum(gaps + 1) - 1
+    nwords = int(positions[-1]) + 1
+    for loops in simd_modes():
+        got = NATIVE.rice_decode(unary, remainder, count, k, nwords)
+        assert np.array_equal(np.frombuffer(got, np.int64), positions), loops
+        words = np.zeros(2 * nwords, dtype=np.uint8)
+        NATIVE.rice_scatter(words, unary, remainder, count, k, (b"\2" * count, b"\0" * count), 2)
+        assert np.array_equal(np.flatnonzero(words.view(np.uint16)), positions), loops
+        with pytest.raises(CorruptPatchError):
+            NATIVE.rice_decode(unary, remainder, count, k, nwords - 1)
+        with pytest.raises(CorruptPatchError):
+            short = np.zeros(2 * (nwords - 1), dtype=np.uint8)
+            NATIVE.rice_scatter(
+                short, unary, remainder, count, k, (b"\2" * count, b"\0" * count), 2
+            )
+
+
+@needs_native
+@pytest.mark.parametrize("k", [8, 20, 24])
+def test_rice_quotients_past_the_block_are_refused(k: int):
+    """A quotient whose shifted value wraps around 32 bits back into the block (2^(32 - k)
+    ones) is refused as the scalar walk refuses it, not taken for a small position."""
+    count, nwords = 64, 64 << k
+    quotients = [0] * count
+    quotients[20] = 1 << (32 - k)
+    unary, remainder = _rice_bits(quotients, [1] * count, k, b"\xff" * 8)
+    for loops in simd_modes():
+        with pytest.raises(CorruptPatchError):
+            NATIVE.rice_decode(unary, remainder, count, k, nwords)
+        quotients[20] = 0
+        fine, rem = _rice_bits(quotients, [1] * count, k, b"\xff" * 8)
+        got = np.frombuffer(NATIVE.rice_decode(fine, rem, count, k, nwords), np.int64)
+        assert np.array_equal(got, np.arange(count) * 2 + 1), loops
+        quotients[20] = 1 << (32 - k)
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(
+    word=st.sampled_from(WORDS),
+    count=st.integers(1, 2000),
+    scale=st.sampled_from([1, 2, 3, 40, 5000]),
+    spare=st.sampled_from([0, 0, 3, 1000]),
+    seed=st.integers(0, 2**32 - 1),
+    cut=st.sampled_from([0, 0, 1, 9, 100]),
+    flips=st.lists(st.integers(0, 2**20), max_size=3),
+    rflips=st.lists(st.integers(0, 2**20), max_size=2),
+    pad=st.sampled_from([b"", b"\xff" * 8, b"\x00" * 8]),
+)
+def test_damaged_rice_streams_agree_with_numpy(
+    word, count, scale, spare, seed, cut, flips, rflips, pad
+):
+    """With unary streams cut short or bits flipped in either stream, the compiled walks (the
+    AVX-512 one, 16 codes at a time, and the scalar one) refuse what numpy refuses and give its
+    positions and words otherwise."""
+    rng = np.random.default_rng(seed)
+    steps = rng.geometric(1 / scale, count) if scale > 1 else np.ones(count, dtype=np.int64)
+    positions = (np.cumsum(steps) - 1).astype(np.int64)
+    nwords = int(positions[-1]) + 1 + spare
+    damaged = _damaged_rice_payload(word, positions, cut, flips, rflips, pad)
+    old = rng.integers(0, 256, nwords * word, dtype=np.uint8)
+    with pure_numpy():
+        try:
+            slow: bytes | None = rice.decode(old, damaged, word).tobytes()
+            slow_at: np.ndarray | None = rice.decode_moves(damaged, word, nwords)[0]
+        except CorruptPatchError:
+            slow = slow_at = None
+    for loops in simd_modes():
+        patched = old.copy()
+        try:
+            assert rice.add_in_place(patched, damaged, word)
+            fast: bytes | None = patched.tobytes()
+            fast_at: np.ndarray | None = rice.decode_moves(damaged, word, nwords)[0]
+        except CorruptPatchError:
+            fast = fast_at = None
+        assert fast == slow, loops
+        assert (fast_at is None) == (slow_at is None), loops
+        if fast_at is not None:
+            assert np.array_equal(fast_at, slow_at), loops
 
 
 @needs_native
