@@ -819,15 +819,18 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
  * stops at the first group that does not, or where whole 64-bit words of the unary stream run
  * out, and the scalar walk goes on from there (and finds the error, if there is one, as it
  * would have from the start). With 32-bit lanes it needs fewer than 2^27 words in the block
- * (its positions, unary bits and sums of remainders stay below 2^31) and k <= 24. */
+ * and a unary stream under 2^28 bytes (its positions, unary bits and sums of remainders stay
+ * below 2^32), and k <= 24. A walk may start part way into both streams (codec 4's runs, one
+ * per context, follow each other), at unary bit ubit0 and remainder bit rbit0. */
 #if HAVE_AVX512_LOOPS
 #define RICE_VEC_WORDS ((size_t)1 << 27)
+#define RICE_VEC_UNARY ((size_t)1 << 28)
 #define RICE_VEC_MAX_K 24
 #define RICE_VEC_FILL 192  /* the ends buffer is refilled up to this many */
 
 typedef struct {
     const uint8_t *ub, *rb;
-    size_t uwords, rlen, count, nwords;
+    size_t uwords, rlen, count, nwords, ubit0, rbit0;
     int k, stopped;
     size_t found;      /* codes turned into positions */
     size_t next;       /* the next 64-bit word of the unary stream to read */
@@ -839,27 +842,33 @@ typedef struct {
     uint32_t ends[RICE_VEC_FILL + 64 + 16];
 } RiceVec;
 
-static int rice_vec_fits(size_t nwords, size_t count, int k) {
-    return use_avx512 && nwords < RICE_VEC_WORDS && k <= RICE_VEC_MAX_K && count >= 16;
+static int rice_vec_fits(size_t nwords, size_t ulen, size_t count, int k) {
+    return use_avx512 && nwords < RICE_VEC_WORDS && ulen < RICE_VEC_UNARY &&
+           k <= RICE_VEC_MAX_K && count >= 16;
 }
 
 static void rice_vec_init(RiceVec *v, const uint8_t *ub, size_t ulen, const uint8_t *rb,
-                          const uint8_t *rend, size_t count, int k, size_t nwords) {
+                          const uint8_t *rend, size_t count, int k, size_t nwords,
+                          uint64_t ubit0, uint64_t rbit0) {
     v->ub = ub;
     v->rb = rb;
+    v->ubit0 = (size_t)ubit0;
+    v->rbit0 = (size_t)rbit0;
     v->uwords = ulen / 8;
     v->rlen = (size_t)(rend - rb);
     v->count = count;
     v->nwords = nwords;
     v->k = k;
     v->stopped = 0;
-    v->found = v->next = v->head = v->tail = 0;
+    v->found = v->head = v->tail = 0;
+    v->next = (size_t)(ubit0 / 64);
     v->rsum = 0;
-    v->at = v->end_before = -1;
-    /* Groups start at a multiple of 16 codes, so at a whole byte of the remainder stream:
-     * remainder j of a group starts at bit j k of the 64 bytes loaded there. */
+    v->at = -1;
+    v->end_before = (int64_t)ubit0 - 1;
+    /* Groups start 16 k bits apart, a whole number of bytes: remainder j of a group starts at
+     * bit rbit0 % 8 + j k of the 64 bytes loaded at its first remainder's byte. */
     for (int j = 0; j < 16; j++) {
-        int bit = j * k;
+        int bit = (int)(rbit0 & 7) + j * k;
         for (int b = 0; b < 4; b++) v->take[4 * j + b] = (uint8_t)((bit >> 3) + 3 - b);
         v->shift[j] = (uint32_t)(bit & 7);
     }
@@ -874,6 +883,7 @@ static inline __attribute__((always_inline)) AVX512_TARGET void rice_vec_read(Ri
     /* Bit j of the stream (most significant first) is bit 63 - j of z; down8's byte m is
      * 63 - m, so the compressed bytes are the ends, last first: reversed by the permutation. */
     uint64_t z = ~__builtin_bswap64(raw);
+    if (v->next == v->ubit0 / 64) z &= ~0ull >> (v->ubit0 % 64); /* codes before the walk's */
     int c = __builtin_popcountll(z);
     __m512i e = _mm512_maskz_compress_epi8(z, down8);
     e = _mm512_permutexvar_epi8(_mm512_sub_epi8(_mm512_set1_epi8((char)(c - 1)), iota8), e);
@@ -912,6 +922,8 @@ static AVX512_TARGET __attribute__((noinline)) size_t rice_vec_positions(RiceVec
     const __m512i take = _mm512_loadu_si512(v->take), shift = _mm512_loadu_si512(v->shift);
     __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32((int)v->found),
                                      _mm512_cvtepu8_epi32(_mm512_castsi512_si128(iota8)));
+    /* The walk's first bit, so that end - it - index is q[0] + ... + q[index]. */
+    const __m512i ubit0 = _mm512_set1_epi32((int)v->ubit0);
     __m512i rsum = _mm512_set1_epi32((int)v->rsum);
     __m512i pos = zero, ends = zero;
     size_t n = 0;
@@ -933,14 +945,14 @@ static AVX512_TARGET __attribute__((noinline)) size_t rice_vec_positions(RiceVec
             }
         }
         __m512i e = _mm512_loadu_si512(v->ends + v->head);
-        __m512i q = _mm512_sub_epi32(e, lanes); /* q[0] + ... + q[i] */
+        __m512i q = _mm512_sub_epi32(_mm512_sub_epi32(e, ubit0), lanes); /* q[0] + ... + q[i] */
         if (_mm512_cmpgt_epu32_mask(q, limit)) {
             v->stopped = 1;
             break;
         }
-        __m512i p = e, sum = rsum;
+        __m512i p = _mm512_add_epi32(q, lanes), sum = rsum;
         if (k) {
-            size_t byte = (v->found * (size_t)k) >> 3, left = v->rlen - byte;
+            size_t byte = (v->rbit0 + v->found * (size_t)k) >> 3, left = v->rlen - byte;
             __m512i w = left >= 64 ? _mm512_loadu_si512(v->rb + byte)
                                    : _mm512_maskz_loadu_epi8((1ull << left) - 1, v->rb + byte);
             __m512i r = _mm512_srl_epi32(
@@ -988,10 +1000,10 @@ static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t 
     size_t found = 0;
     int64_t at = -1, end_before = -1;
 #if HAVE_AVX512_LOOPS
-    if (rice_vec_fits(nwords, count, k)) {
+    if (rice_vec_fits(nwords, ulen, count, k)) {
         RiceVec v;
         uint32_t batch[RICE_VEC_BATCH];
-        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords);
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, 0, 0);
         for (size_t n; (n = rice_vec_positions(&v, batch));)
             for (size_t j = 0; j < n; j++) out[found++] = batch[j];
         at = v.at;
@@ -1006,11 +1018,32 @@ static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t 
  * ranks count words, not changes, but are Rice-coded as codec 5 codes positions), read from
  * bit ubit0 of the unary stream and bit rbit0 of the remainder stream; *next is the unary bit
  * where the next context's run starts. */
+static const char *context_walk(const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                                const uint8_t *rend, size_t count, int k, size_t nwords,
+                                uint64_t ubit0, uint64_t rbit0, int64_t *out, uint64_t *next,
+                                size_t found0, int64_t at0) {
+    RICE_WALK(ubit0, rbit0, found0, at0, "context block points past the end of a context",
+              out[found] = at, *next = (uint64_t)(end_before + 1))
+}
+
 static const char *context_run(const uint8_t *ub, size_t ulen, const uint8_t *rb,
                                const uint8_t *rend, size_t count, int k, size_t nwords,
                                uint64_t ubit0, uint64_t rbit0, int64_t *out, uint64_t *next) {
-    RICE_WALK(ubit0, rbit0, 0, -1, "context block points past the end of a context", out[found] = at,
-              *next = (uint64_t)(end_before + 1))
+    size_t found = 0;
+    int64_t at = -1, end_before = (int64_t)ubit0 - 1;
+#if HAVE_AVX512_LOOPS
+    if (rice_vec_fits(nwords, ulen, count, k)) {
+        RiceVec v;
+        uint32_t batch[RICE_VEC_BATCH];
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, ubit0, rbit0);
+        for (size_t n; (n = rice_vec_positions(&v, batch));)
+            for (size_t j = 0; j < n; j++) out[found++] = batch[j];
+        at = v.at;
+        end_before = v.end_before;
+    }
+#endif
+    return context_walk(ub, ulen, rb, rend, count, k, nwords, (uint64_t)(end_before + 1), rbit0,
+                        out, next, found, at);
 }
 
 /* rice_decode(unary, remainder, count, k, nwords) -> positions (int64, as a bytearray).
@@ -1060,10 +1093,10 @@ done:
 /* The positions of the vector walk (rice_vec_positions), a batch at a time, then the rest by
  * the scalar walk. */
 #define RICE_SCATTER_VEC(NAME)                                                                \
-    if (rice_vec_fits(nwords, count, k)) {                                                    \
+    if (rice_vec_fits(nwords, ulen, count, k)) {                                              \
         RiceVec v;                                                                            \
         uint32_t batch[RICE_VEC_BATCH];                                                       \
-        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords);                              \
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, 0, 0);                        \
         for (size_t n; (n = rice_vec_positions(&v, batch)); found += n)                       \
             NAME##_add_batch(words, batch, n, src, found);                                    \
         at = v.at;                                                                            \
@@ -1990,14 +2023,35 @@ static inline void set_next_bit(BitSetter *b, uint64_t g) {
 /* One context's run of a dense codec 4 block (see context_run), each rank set as bit `off` +
  * rank of `bitmap` instead of stored; `nwords` is the count of the key's words, past which no
  * rank may point. */
+static const char *context_bits_walk(
+    const uint8_t *ub, size_t ulen, const uint8_t *rb, const uint8_t *rend, size_t count, int k,
+    size_t nwords, uint64_t ubit0, uint64_t rbit0, BitSetter b, uint64_t off, uint64_t *next,
+    size_t found0, int64_t at0) {
+    RICE_WALK(ubit0, rbit0, found0, at0, "context block points past the end of a context",
+              set_next_bit(&b, off + (uint64_t)at),
+              (b.bitmap[b.word] |= b.acc, *next = (uint64_t)(end_before + 1)))
+}
+
 static const char *context_bits(
     const uint8_t *ub, size_t ulen, const uint8_t *rb, const uint8_t *rend, size_t count, int k,
     size_t nwords, uint64_t ubit0, uint64_t rbit0, uint64_t *bitmap, uint64_t off,
     uint64_t *next) {
     BitSetter b = {bitmap, off >> 6, 0};
-    RICE_WALK(ubit0, rbit0, 0, -1, "context block points past the end of a context",
-              set_next_bit(&b, off + (uint64_t)at),
-              (bitmap[b.word] |= b.acc, *next = (uint64_t)(end_before + 1)))
+    size_t found = 0;
+    int64_t at = -1, end_before = (int64_t)ubit0 - 1;
+#if HAVE_AVX512_LOOPS
+    if (rice_vec_fits(nwords, ulen, count, k)) {
+        RiceVec v;
+        uint32_t batch[RICE_VEC_BATCH];
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, ubit0, rbit0);
+        for (size_t n; (n = rice_vec_positions(&v, batch)); found += n)
+            for (size_t j = 0; j < n; j++) set_next_bit(&b, off + batch[j]);
+        at = v.at;
+        end_before = v.end_before;
+    }
+#endif
+    return context_bits_walk(ub, ulen, rb, rend, count, k, nwords, (uint64_t)(end_before + 1),
+                             rbit0, b, off, next, found, at);
 }
 
 /* Sixty-four bits of a stream (most significant first) from bit `at`; bytes at or past `end`
