@@ -4,19 +4,21 @@
                                [--rounds 5] [--against OTHER_CHECKOUT]
 
 For each chain pair (the chains of benchmarks/run.py, built or reused in OUT/chains) it takes
-``--blocks`` evenly spaced 8 MiB blocks of the data region and times, on each, the loops that
-`--level max` spends its time in: ``context_encode`` (diff) and ``context_scatter`` (apply, in
-place on a copy of the base block), with codec 4's payload made beforehand. Figures are CPU
+``--blocks`` evenly spaced 8 MiB blocks of the data region and times, on each, the codec loops
+that the default level spends its time in, ``rice_encode`` (diff: the Rice streams of the
+changed positions) and ``rice_scatter`` (apply: codec 5's streams and raw value planes decoded
+into a copy of the base block), and those of `--level max`, ``context_encode`` and
+``context_scatter`` (codec 4, likewise), with the payloads made beforehand. Figures are CPU
 time of this thread (not wall time: other work on a shared machine moves that more), the best
 of ``--rounds`` calls on each block, summed over the blocks and divided by their words.
 
 ``--against DIR`` loads the compiled extension of another checkout DIR (built in place:
 ``python setup.py build_ext --inplace``) into this process beside this checkout's, and calls
 the two in turn on the same block, round by round: the way to measure a change to
-pulsectl/_speedups.c against the code before it. Both must give the same payloads and the same
-rebuilt blocks. (Timing the other checkout in a child process instead, as this script once
-did, moved figures of identical code by up to a fifth between the two on a shared 2-core
-machine; calls in turn in one process agree within a few per cent.)
+pulsectl/_speedups.c against the code before it. Both must give the same streams and payloads
+and the same rebuilt blocks. (Timing the other checkout in a child process instead, as this
+script once did, moved figures of identical code by up to a fifth between the two on a shared
+2-core machine; calls in turn in one process agree within a few per cent.)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ sys.path.insert(0, str(REPO))
 BLOCK = 8 << 20
 # The chains of benchmarks/run.py (its LRS and KS): asking for other steps would rebuild them.
 RUN_STEPS = (1, 4, 16)
+LOOPS = ("rice_encode", "rice_scatter", "context_encode", "context_scatter")
 
 
 def load_extension(checkout: Path) -> Any:
@@ -60,23 +63,19 @@ def load_extension(checkout: Path) -> Any:
 
 
 def measure(
-    pairs: list[tuple[Path, Path]], nblocks: int, rounds: int, loops: dict[str, Any]
+    pairs: list[tuple[Path, Path]], nblocks: int, rounds: int, builds: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """Per pair: the share of changed words, and ns per word of each loop of each build."""
     import numpy as np
 
     from benchmarks.tensors import data_region
-    from pulsectl.codecs import context
-    from pulsectl.codecs._bits import value_plane_bytes
 
-    key = context.KEYS["BF16"]
     rows = []
     for old_path, new_path in pairs:
         start, end = data_region(new_path)
         a = np.memmap(old_path, dtype=np.uint8, mode="r")
         b = np.memmap(new_path, dtype=np.uint8, mode="r")
-        enc = dict.fromkeys(loops, 0.0)
-        dec = dict.fromkeys(loops, 0.0)
+        spent = {loop: dict.fromkeys(builds, 0.0) for loop in LOOPS}
         words = changed = 0
         for at in np.linspace(start, end - BLOCK, nblocks).astype(np.int64):
             at = int(at) // 2 * 2
@@ -84,48 +83,69 @@ def measure(
             pos = np.flatnonzero(old.view(np.uint16) != new.view(np.uint16)).astype(np.int64)
             if pos.size == 0:
                 continue
-            payload = context.encode(old, new, 2, pos, key, 19)
-            view, count, shift, bits, keys, ks, counts, unary, remainder, offset = context._parse(
-                payload, 2, old.size // 2
-            )
-            planes = tuple(
-                None if p is None else bytes(p) for p in value_plane_bytes(view, offset, count, 2)
-            )
-            block = old.copy()
-            best_enc = dict.fromkeys(loops, float("inf"))
-            best_dec = dict.fromkeys(loops, float("inf"))
-            first: Any = None
-            for _ in range(rounds):
-                for name, fast in loops.items():
-                    t = time.thread_time()
-                    got = fast.context_encode(old, new, 2, key[0], key[1], pos)
-                    best_enc[name] = min(best_enc[name], time.thread_time() - t)
-                    got = tuple(bytes(part) for part in got)
-                    if first is None:
-                        first = got
-                    elif got != first:
-                        sys.exit(f"context_encode of {name} gave other bytes on {new_path}")
-                    block[:] = old
-                    t = time.thread_time()
-                    fast.context_scatter(
-                        block, 2, shift, bits, keys, ks, counts, unary, remainder, planes
-                    )
-                    best_dec[name] = min(best_dec[name], time.thread_time() - t)
-                    if block.tobytes() != new.tobytes():
-                        sys.exit(f"context_scatter of {name} did not rebuild a block of {new_path}")
-            for name in loops:
-                enc[name] += best_enc[name]
-                dec[name] += best_dec[name]
+            best = _time_block(old, new, pos, rounds, builds, new_path)
+            for loop in LOOPS:
+                for name in builds:
+                    spent[loop][name] += best[loop][name]
             words += old.size // 2
             changed += pos.size
-        rows.append(
-            {
-                "changed": changed / words,
-                "context_encode_ns": {n: v / words * 1e9 for n, v in enc.items()},
-                "context_scatter_ns": {n: v / words * 1e9 for n, v in dec.items()},
-            }
-        )
+        row: dict[str, Any] = {"changed": changed / words}
+        for loop in LOOPS:
+            row[loop] = {n: v / words * 1e9 for n, v in spent[loop].items()}
+        rows.append(row)
     return rows
+
+
+def _time_block(
+    old: Any, new: Any, pos: Any, rounds: int, builds: dict[str, Any], new_path: Path
+) -> dict[str, dict[str, float]]:
+    """The best CPU seconds of each loop of each build on one block (BF16 words); exits if
+    two builds disagree or a scatter does not rebuild ``new``."""
+    import numpy as np
+
+    from pulsectl.codecs import context
+    from pulsectl.codecs._bits import value_plane_bytes
+
+    key = context.KEYS["BF16"]
+    payload = context.encode(old, new, 2, pos, key, 19)
+    view, count, shift, bits, keys, ks, counts, unary, remainder, offset = context._parse(
+        payload, 2, old.size // 2
+    )
+    planes = tuple(
+        None if p is None else bytes(p) for p in value_plane_bytes(view, offset, count, 2)
+    )
+    # Codec 5's value planes before compression: the zigzag bytes of the moves.
+    moved = (new.view(np.uint16)[pos] - old.view(np.uint16)[pos]).view(np.int16)
+    zigzag = ((moved << 1) ^ (moved >> 15)).view(np.uint16)
+    raw = ((zigzag & 0xFF).astype(np.uint8).tobytes(), (zigzag >> 8).astype(np.uint8).tobytes())
+    block = old.copy()
+    best = {loop: dict.fromkeys(builds, float("inf")) for loop in LOOPS}
+    first: dict[str, Any] = {}
+
+    def note(loop: str, name: str, since: float, got: Any = None) -> None:
+        best[loop][name] = min(best[loop][name], time.thread_time() - since)
+        if got is not None and first.setdefault(loop, got) != got:
+            sys.exit(f"{loop} of {name} gave other bytes on {new_path}")
+        if loop.endswith("scatter") and block.tobytes() != new.tobytes():
+            sys.exit(f"{loop} of {name} did not rebuild a block of {new_path}")
+
+    for _ in range(rounds):
+        for name, fast in builds.items():
+            t = time.thread_time()
+            k, rice_unary, rice_remainder = streams = fast.rice_encode(pos)
+            note("rice_encode", name, t, streams)
+            block[:] = old
+            t = time.thread_time()
+            fast.rice_scatter(block, rice_unary, rice_remainder, pos.size, k, raw, 2)
+            note("rice_scatter", name, t)
+            t = time.thread_time()
+            got = fast.context_encode(old, new, 2, key[0], key[1], pos)
+            note("context_encode", name, t, tuple(bytes(part) for part in got))
+            block[:] = old
+            t = time.thread_time()
+            fast.context_scatter(block, 2, shift, bits, keys, ks, counts, unary, remainder, planes)
+            note("context_scatter", name, t)
+    return best
 
 
 def main() -> None:
@@ -146,20 +166,20 @@ def main() -> None:
     _keep_freed_memory()  # as the command-line tool does: no fresh pages for each block's buffers
     if _fast.native is None:
         sys.exit("the compiled loops are not built (pip install -e . with a C compiler)")
-    loops = {"this checkout": _fast.native}
+    builds = {"this checkout": _fast.native}
     if args.against:
-        loops[str(args.against)] = load_extension(args.against)
+        builds[str(args.against)] = load_extension(args.against)
     pairs = []
     for lr in args.lrs:
         steps = (*RUN_STEPS, *args.ks)
         d = ensure_chain(args.out / "chains", args.preset, lr, max(steps), {0, *steps})
         pairs += [(step_path(d, 0), step_path(d, k)) for k in args.ks]
-    rows = measure(pairs, args.blocks, args.rounds, loops)
+    rows = measure(pairs, args.blocks, args.rounds, builds)
     labels = [f"lr {lr:g} k {k}" for lr in args.lrs for k in args.ks]
-    names = list(loops)
+    names = list(builds)
     print(f"{'pair':<16} {'changed':>8}  " + "  ".join(f"{n[-24:]:>24}" for n in names))
-    for loop in ("context_encode_ns", "context_scatter_ns"):
-        print(f"{loop[:-3]} (ns per word, best of {args.rounds} per block)")
+    for loop in LOOPS:
+        print(f"{loop} (ns per word, best of {args.rounds} per block)")
         for label, row in zip(labels, rows, strict=True):
             figs = "  ".join(f"{row[loop][n]:>24.3f}" for n in names)
             print(f"{label:<16} {row['changed']:>8.3%}  {figs}")

@@ -26,12 +26,16 @@ def _loops(tmp_path: Path, against: Path) -> subprocess.CompletedProcess[str]:
 
 @needs_native
 def test_loops_times_both_builds_on_the_same_blocks(tmp_path: Path):
-    """Against this same checkout: both columns filled for both loops; the script checks
-    that the two builds give the same payloads and rebuilt blocks, or it exits non-zero."""
+    """Against this same checkout: both columns filled for all four loops; the script checks
+    that the two builds give the same streams, payloads and rebuilt blocks, or it exits
+    non-zero."""
     done = _loops(tmp_path, REPO)
     assert done.returncode == 0, done.stderr
-    rows = [line for line in done.stdout.splitlines() if line.startswith("lr 1e-05 k 1")]
-    assert len(rows) == 2  # context_encode, context_scatter
+    lines = done.stdout.splitlines()
+    titles = [line.split()[0] for line in lines if "ns per word" in line]
+    assert titles == ["rice_encode", "rice_scatter", "context_encode", "context_scatter"]
+    rows = [line for line in lines if line.startswith("lr 1e-05 k 1")]
+    assert len(rows) == 4
     for row in rows:
         changed, *figures = row.split()[4:]  # after "lr 1e-05 k 1"
         assert changed.endswith("%"), row
