@@ -567,100 +567,118 @@ static inline __attribute__((always_inline)) AVX512_TARGET __m512i gaps_of_8(con
     return _mm512_sub_epi64(_mm512_sub_epi64(p, prev), _mm512_set1_epi64(1));
 }
 
-/* Store the 64-bit words of a bit stream (most significant bit first) that 8 lanes add bits
- * to: lane j's bits belong to word words[j], and words never decrease from lane to lane. An
- * inclusive scan gathers each word's bits in the last of its lanes, together with those the
- * word got from the previous 8 (*held_word, *held); each such lane stores its word whole,
- * XORed with flip. The last lane's word may go on: it is held over, and stored again, whole,
- * with the next 8. */
-static inline __attribute__((always_inline)) AVX512_TARGET void store_lanes(
-    uint8_t *buf, __m512i words, __m512i bits, __m512i flip, __m512i *held_word, __m512i *held) {
-    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
-    const __m512i last_lane = _mm512_set1_epi64(7);
-    /* The bytes of each 64-bit lane reversed: bit 63 of a word is the first bit in the stream. */
-    const __m512i reverse = _mm512_set4_epi32(0x08090a0b, 0x0c0d0e0f, 0x00010203, 0x04050607);
-    __mmask8 same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 7));
-    bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 7));
-    same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 6));
-    bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 6));
-    same = _mm512_cmpeq_epi64_mask(words, _mm512_alignr_epi64(words, none, 4));
-    bits = _mm512_mask_or_epi64(bits, same, bits, _mm512_alignr_epi64(bits, zero, 4));
-    bits = _mm512_mask_or_epi64(bits, _mm512_cmpeq_epi64_mask(words, *held_word), bits, *held);
-    __mmask8 last = _mm512_cmpneq_epi64_mask(words, _mm512_alignr_epi64(none, words, 1));
-    __m512i value = _mm512_shuffle_epi8(_mm512_xor_si512(bits, flip), reverse);
-    _mm512_mask_i64scatter_epi64((void *)buf, last, words, value, 8);
-    *held_word = _mm512_permutexvar_epi64(last_lane, words);
-    *held = _mm512_permutexvar_epi64(last_lane, bits);
+#endif
+
+/* A bit writer without branches, for rice_encode: each put stores 8 bytes (its buffer has 8
+ * bytes of room past the stream), of which the whole ones written count; the bits of a byte not
+ * yet whole wait at the top of acc. */
+typedef struct {
+    uint8_t *out;
+    size_t at;
+    uint64_t acc; /* bits not yet in whole bytes, from bit 63 down */
+    unsigned bits; /* how many (< 8) */
+} TopWriter;
+
+/* Append the top `count` (1..56) bits of `top` (its other bits zero), most significant first. */
+static inline void tw_put(TopWriter *w, uint64_t top, unsigned count) {
+    w->acc |= top >> w->bits;
+    w->bits += count;
+    uint64_t be = w->acc;
+#if LITTLE_ENDIAN_HOST
+    be = __builtin_bswap64(be);
+#endif
+    memcpy(w->out + w->at, &be, 8);
+    w->at += w->bits >> 3;
+    w->acc <<= w->bits & ~7u;
+    w->bits &= 7;
 }
 
-/* The zeros of rice_encode's unary stream for the first codes of the increasing positions pos
- * (n >= 8), 8 codes at a time: their gaps, quotients and a running sum give the 8 bits to
- * clear, stored by store_lanes as words of ones with those bits clear (the stream starts as all
- * ones). Returns how many codes are done; *end is the bit of the last one's zero. */
-static AVX512_TARGET size_t unary_zeros_avx512(uint8_t *buf, const int64_t *pos, size_t n, int k,
-                                              uint64_t *end) {
-    const __m512i one = _mm512_set1_epi64(1), low6 = _mm512_set1_epi64(63);
+/* The low `count` (1..56) bits of `value`. */
+static inline void tw_put_low(TopWriter *w, uint64_t value, unsigned count) {
+    tw_put(w, value << (64 - count), count);
+}
+
+/* A unary code: q one-bits, then a zero. */
+static inline void tw_put_unary(TopWriter *w, uint64_t q) {
+    for (; q >= 56; q -= 56) tw_put(w, ~0ull << 8, 56);
+    tw_put(w, q ? ~0ull << (64 - q) : 0, (unsigned)q + 1);
+}
+
+/* The bytes written, the last one zero-padded. */
+static inline size_t tw_size(const TopWriter *w) { return w->at + (w->bits != 0); }
+
+#if HAVE_AVX512_LOOPS
+#define TW_MAX 56 /* the most bits one put takes */
+
+/* Both Rice streams of the first codes of the increasing positions pos (n >= 16), 16 codes at a
+ * time: their unary bits as one string of ones with a zero at the end of each code (the
+ * running sum of q + 1, less one), where it has at most 56 bits; their remainders as one string
+ * of 16 k bits (k <= 3), two of 8 k (k <= 7) or four of 4 k (k <= 14). A string's bits are
+ * gathered by an OR across a register. Longer unary strings, and remainders where k > 14, go
+ * code by code. Returns how many codes are done. */
+static AVX512_TARGET size_t rice_streams_avx512(TopWriter *u, TopWriter *r, const int64_t *pos,
+                                               size_t n, int k) {
+    const __m512i one = _mm512_set1_epi64(1), top = _mm512_set1_epi64(63);
     const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
-    const __m512i last_lane = _mm512_set1_epi64(7);
     const __m128i shift = _mm_cvtsi32_si128(k);
-    __m512i before = none;              /* lane 7: the position before the next 8 (-1 first) */
-    __m512i at = none;                  /* every lane: the zero of the code before the next 8 */
-    __m512i held_word = none, held = zero; /* the last word stored, and its zeros so far */
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512i gaps = gaps_of_8(pos + i, &before);
-        __m512i step = _mm512_add_epi64(_mm512_srl_epi64(gaps, shift), one);
-        step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 7));
-        step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 6));
-        step = _mm512_add_epi64(step, _mm512_alignr_epi64(step, zero, 4));
-        __m512i ends = _mm512_add_epi64(at, step);
-        at = _mm512_permutexvar_epi64(last_lane, ends);
-        __m512i words = _mm512_srli_epi64(ends, 6);
-        __m512i bits = _mm512_sllv_epi64(one, _mm512_sub_epi64(low6, _mm512_and_si512(ends, low6)));
-        store_lanes(buf, words, bits, none, &held_word, &held); /* zeros in a stream of ones */
-    }
-    *end = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(at));
-    return i;
-}
-
-/* The k-bit remainders (1 <= k <= 31) of the first gaps of the increasing positions pos
- * (n >= 8), 8 at a time, into buf as whole 64-bit words, most significant bit first: the
- * remainder of code j takes bits [j k, j k + k); where it runs past its word, the bits that
- * spill over go to the next lane's word. store_lanes stores each word whole (buf need not be
- * cleared). Returns how many codes are done (a multiple of 8); the bits after them in their
- * last word are zero. */
-static AVX512_TARGET size_t remainders_avx512(uint8_t *buf, const int64_t *pos, size_t n, int k) {
-    const __m512i low6 = _mm512_set1_epi64(63);
-    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
-    const __m512i last_lane = _mm512_set1_epi64(7), sixty_four = _mm512_set1_epi64(64);
     const __m512i low = _mm512_set1_epi64((long long)((1ull << k) - 1));
-    const __m128i up = _mm_cvtsi32_si128(64 - k);
-    const __m512i step = _mm512_set1_epi64(8 * (long long)k);
     const long long kk = k;
-    __m512i at = _mm512_set_epi64(7 * kk, 6 * kk, 5 * kk, 4 * kk, 3 * kk, 2 * kk, kk,
-                                  0); /* each lane's first bit */
-    __m512i before = none, held_word = none, held = zero, spill = zero;
+    /* Shifts that put remainder j of a string at its place from bit 63 down: lane j's k bits
+     * end at bit 64 - k (j + 1) of the string's word. */
+    const __m512i at8 = _mm512_set_epi64(64 - 8 * kk, 64 - 7 * kk, 64 - 6 * kk, 64 - 5 * kk,
+                                         64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk);
+    const __m512i at4 = _mm512_set_epi64(64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk,
+                                         64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk);
+    __m512i before = none;
     size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m512i gaps = gaps_of_8(pos + i, &before);
-        __m512i top = _mm512_sll_epi64(_mm512_and_si512(gaps, low), up); /* at bit 63 down */
-        __m512i words = _mm512_srli_epi64(at, 6), off = _mm512_and_si512(at, low6);
-        __m512i bits = _mm512_srlv_epi64(top, off);
-        __m512i over = _mm512_sllv_epi64(top, _mm512_sub_epi64(sixty_four, off)); /* 0 if none */
-        /* A lane's spill goes to the next lane's word (the next code starts in it); the last
-         * lane's to the first lane of the next 8. */
-        bits = _mm512_or_si512(bits, _mm512_alignr_epi64(over, spill, 7));
-        spill = _mm512_permutexvar_epi64(last_lane, over);
-        store_lanes(buf, words, bits, zero, &held_word, &held);
-        at = _mm512_add_epi64(at, step);
-    }
-    /* The bits that spilled out of the last lane start the word after its own. */
-    uint64_t bit = (uint64_t)i * (uint64_t)k,
-             next = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(held_word)) + 1;
-    if (bit > 64 * next) {
-        uint64_t v = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(spill));
-        v = __builtin_bswap64(v);
-        memcpy(buf + 8 * next, &v, 8);
+    for (; i + 16 <= n; i += 16) {
+        __m512i ga = gaps_of_8(pos + i, &before), gb = gaps_of_8(pos + i + 8, &before);
+        __m512i sa = _mm512_add_epi64(_mm512_srl_epi64(ga, shift), one);
+        __m512i sb = _mm512_add_epi64(_mm512_srl_epi64(gb, shift), one);
+        sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 7));
+        sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 7));
+        sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 6));
+        sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 6));
+        sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 4));
+        sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 4));
+        __m512i la = _mm512_permutexvar_epi64(_mm512_set1_epi64(7), sa);
+        sb = _mm512_add_epi64(sb, la); /* the ends of b's codes follow a's */
+        uint64_t length = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(sb, 3), 1);
+        if (length <= TW_MAX) {
+            /* Code j's zero at bit s[j] - 1 of the string: bit 64 - s[j] of a top-aligned word.
+             * (A lane past 64 would shift out; none is, as the whole string fits.) */
+            __m512i za = _mm512_sllv_epi64(one, _mm512_sub_epi64(_mm512_add_epi64(top, one), sa));
+            __m512i zb = _mm512_sllv_epi64(one, _mm512_sub_epi64(_mm512_add_epi64(top, one), sb));
+            uint64_t zeros = (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(za, zb));
+            tw_put(u, ~zeros & (~0ull << (64 - length)), (unsigned)length);
+        } else {
+            uint64_t g[16];
+            _mm512_storeu_si512((void *)g, ga);
+            _mm512_storeu_si512((void *)(g + 8), gb);
+            for (int j = 0; j < 16; j++) tw_put_unary(u, g[j] >> k);
+        }
+        if (k == 0) continue;
+        __m512i ra = _mm512_and_si512(ga, low), rb = _mm512_and_si512(gb, low);
+        if (k <= 3) {
+            /* a's remainders in the top 8 k bits, b's in the next 8 k */
+            __m512i wa = _mm512_sllv_epi64(ra, at8);
+            __m512i wb = _mm512_srl_epi64(_mm512_sllv_epi64(rb, at8), _mm_cvtsi32_si128(8 * k));
+            tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(wa, wb)), 16u * (unsigned)k);
+        } else if (k <= 7) {
+            tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(ra, at8)), 8u * (unsigned)k);
+            tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(rb, at8)), 8u * (unsigned)k);
+        } else if (k <= 14) {
+            __m512i wa = _mm512_sllv_epi64(ra, at4), wb = _mm512_sllv_epi64(rb, at4);
+            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wa), 4u * (unsigned)k);
+            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0xF0, wa), 4u * (unsigned)k);
+            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wb), 4u * (unsigned)k);
+            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0xF0, wb), 4u * (unsigned)k);
+        } else {
+            uint64_t g[16];
+            _mm512_storeu_si512((void *)g, ra);
+            _mm512_storeu_si512((void *)(g + 8), rb);
+            for (int j = 0; j < 16; j++) tw_put_low(r, g[j], (unsigned)k);
+        }
     }
     return i;
 }
@@ -678,65 +696,32 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     uint64_t best_quot = 0;
     if (rice_plan(&p, "rice_encode", &n, &k, &best_quot) < 0) goto done;
     const int64_t *pos = p.buf;
-    /* The stream is written as whole 64-bit words: room for the last one, cut off after. */
-    size_t ubytes = (size_t)((best_quot + n + 7) / 8), padded = (ubytes + 7) & ~(size_t)7;
+    /* Each put of the bit writers stores 8 bytes: room for them past the streams, cut off
+     * after. */
+    size_t ubytes = (size_t)((best_quot + n + 7) / 8), padded = ubytes + 8;
     unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)padded);
-    size_t rbytes = (size_t)(((uint64_t)n * k + 7) / 8), rpadded = (rbytes + 7) & ~(size_t)7;
+    size_t rbytes = (size_t)(((uint64_t)n * k + 7) / 8), rpadded = rbytes + 8;
     remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)rpadded);
     if (!unary || !remainder) goto done;
     uint8_t *ubuf = (uint8_t *)PyBytes_AS_STRING(unary);
     uint8_t *rbuf = (uint8_t *)PyBytes_AS_STRING(remainder);
-    BitWriter r = {rbuf, 0, 0, 0};
+    TopWriter u = {ubuf, 0, 0, 0}, r = {rbuf, 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
-    /* The unary stream is all one-bits but for the zero that ends each code, at bit
-     * q[0] + ... + q[i] + i: start from ones and clear those bits, then the padding. */
-    memset(ubuf, 0xFF, padded);
     size_t i = 0;
-    uint64_t end = UINT64_MAX; /* the zero of code i - 1 (code -1's at bit -1) */
 #if HAVE_AVX512_LOOPS
-    if (use_avx512 && n >= 8) i = unary_zeros_avx512(ubuf, pos, n, k, &end);
+    if (use_avx512 && n >= 16) i = rice_streams_avx512(&u, &r, pos, n, k);
 #endif
-    /* Zeros are gathered 64 bits at a time (bit 63 - e % 64 of word e / 64) and each word
-     * that has any is stored once; words between them stay all ones. */
-    uint64_t word_at = 0, zeros = 0;
+    uint64_t low = (1ull << k) - 1;
     for (; i < n; i++) {
         uint64_t gap = (uint64_t)pos[i] - (i ? (uint64_t)pos[i - 1] : UINT64_MAX) - 1;
-        end += (gap >> k) + 1;
-        if ((end >> 6) != word_at) {
-            if (zeros) store_zeros(ubuf, padded, word_at, zeros);
-            word_at = end >> 6;
-            zeros = 0;
-        }
-        zeros |= 1ull << (63 - (end & 63));
-    }
-    if (zeros) store_zeros(ubuf, padded, word_at, zeros);
-    if ((end + 1) & 7) ubuf[ubytes - 1] &= (uint8_t)(0xFF00u >> ((end + 1) & 7));
-    if (k) {
-        uint64_t low = (1ull << k) - 1;
-        i = 0;
-#if HAVE_AVX512_LOOPS
-        if (use_avx512 && n >= 8) {
-            i = remainders_avx512(rbuf, pos, n, k);
-            /* Go on from bit i k: the whole 32-bit chunks before it are written; the bits of
-             * the chunk it falls in go back into the writer. */
-            uint64_t bit = (uint64_t)i * (uint64_t)k;
-            r.at = (size_t)(bit / 32) * 4;
-            r.bits = (int)(bit % 32);
-            if (r.bits) {
-                uint32_t chunk = (uint32_t)rbuf[r.at] << 24 | (uint32_t)rbuf[r.at + 1] << 16 |
-                                 (uint32_t)rbuf[r.at + 2] << 8 | rbuf[r.at + 3];
-                r.acc = chunk >> (32 - r.bits);
-            }
-        }
-#endif
-        int64_t prev = i ? pos[i - 1] : -1;
-        for (; i < n; i++) {
-            put_bits(&r, (uint64_t)(pos[i] - prev - 1) & low, k);
-            prev = pos[i];
-        }
-        flush_bits(&r);
+        tw_put_unary(&u, gap >> k);
+        if (k) tw_put_low(&r, gap & low, (unsigned)k);
     }
     Py_END_ALLOW_THREADS
+    if (tw_size(&u) != ubytes || tw_size(&r) != rbytes) {
+        PyErr_SetString(PyExc_SystemError, "rice_encode: stream sizes disagree with the plan");
+        goto done;
+    }
     if (padded != ubytes && _PyBytes_Resize(&unary, (Py_ssize_t)ubytes) < 0) goto done;
     if (rpadded != rbytes && _PyBytes_Resize(&remainder, (Py_ssize_t)rbytes) < 0) goto done;
     result = Py_BuildValue("iOO", k, unary, remainder);

@@ -146,8 +146,9 @@ def test_listing_into_reused_buffers(pairs: list[tuple[np.ndarray, np.ndarray, i
 @needs_native
 @pytest.mark.parametrize("bits", range(32))
 def test_rice_streams_at_every_parameter(bits: int):
-    """Every Rice parameter, on counts around the 8 codes the AVX-512 loops take at a time:
-    the streams equal numpy's with both loops."""
+    """Every Rice parameter (so every way the AVX-512 encoder packs remainders: 16, 8 or 4 to a
+    put, or one by one), on counts around the 16 codes it takes at a time: the streams equal
+    numpy's with both loops."""
     rng = np.random.default_rng(bits)
     for count in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000):
         steps = rng.integers(2**bits, 2 ** (bits + 1), count) if bits else np.ones(count, int)
