@@ -384,56 +384,6 @@ done:
 
 /* ---------------------------------------------------------------- Rice coding */
 
-typedef struct {
-    uint8_t *out;
-    size_t at;
-    uint64_t acc;
-    int bits;
-} BitWriter;
-
-/* Append the low `count` (<= 32) bits of `value`, most significant first. */
-static inline void put_bits(BitWriter *w, uint64_t value, int count) {
-    w->acc = (w->acc << count) | value;
-    w->bits += count;
-    if (w->bits >= 32) { /* 32 whole bits: store them, most significant byte first */
-        w->bits -= 32;
-        uint32_t top = (uint32_t)(w->acc >> w->bits);
-        uint8_t *o = w->out + w->at;
-        o[0] = (uint8_t)(top >> 24);
-        o[1] = (uint8_t)(top >> 16);
-        o[2] = (uint8_t)(top >> 8);
-        o[3] = (uint8_t)top;
-        w->at += 4;
-    }
-}
-
-static inline void flush_bits(BitWriter *w) {
-    while (w->bits >= 8) {
-        w->bits -= 8;
-        w->out[w->at++] = (uint8_t)(w->acc >> w->bits);
-    }
-    if (w->bits) w->out[w->at++] = (uint8_t)(w->acc << (8 - w->bits));
-    w->bits = 0;
-}
-
-/* Clear the bits set in `zeros` (bit 63 first) in 64-bit word `index` of a stream of
- * `size` bytes, most significant byte first. */
-static inline void store_zeros(uint8_t *buf, size_t size, uint64_t index, uint64_t zeros) {
-    size_t at = (size_t)index * 8;
-    if (at + 8 <= size) {
-        uint64_t v;
-        memcpy(&v, buf + at, 8);
-#if LITTLE_ENDIAN_HOST
-        v &= __builtin_bswap64(~zeros);
-#else
-        v &= ~zeros;
-#endif
-        memcpy(buf + at, &v, 8);
-        return;
-    }
-    for (size_t j = 0; at + j < size; j++) buf[at + j] &= (uint8_t)~(zeros >> (56 - 8 * j));
-}
-
 /* out[j] = sum over the gaps g of g >> (from + j), for j < count <= 5; returns whether the
  * positions increase (the sums are meaningless where they do not). */
 static inline __attribute__((always_inline)) int quotient_sums_body(const void *positions,
@@ -610,76 +560,104 @@ static inline size_t tw_size(const TopWriter *w) { return w->at + (w->bits != 0)
 #if HAVE_AVX512_LOOPS
 #define TW_MAX 56 /* the most bits one put takes */
 
-/* Both Rice streams of the first codes of the increasing positions pos (n >= 16), 16 codes at a
- * time: their unary bits as one string of ones with a zero at the end of each code (the
- * running sum of q + 1, less one), where it has at most 56 bits; their remainders as one string
- * of 16 k bits (k <= 3), two of 8 k (k <= 7) or four of 4 k (k <= 14). A string's bits are
- * gathered by an OR across a register. Longer unary strings, and remainders where k > 14, go
- * code by code. Returns how many codes are done. */
-static AVX512_TARGET size_t rice_streams_avx512(TopWriter *u, TopWriter *r, const int64_t *pos,
-                                               size_t n, int k) {
-    const __m512i one = _mm512_set1_epi64(1), top = _mm512_set1_epi64(63);
-    const __m512i none = _mm512_set1_epi64(-1), zero = _mm512_setzero_si512();
-    const __m128i shift = _mm_cvtsi32_si128(k);
-    const __m512i low = _mm512_set1_epi64((long long)((1ull << k) - 1));
+/* Rice codes with parameter k, 16 at a time: their unary bits as one string of ones with a
+ * zero at the end of each code (the running sum of q + 1, less one), where it has at most 56
+ * bits; their remainders as one string of 16 k bits (k <= 3), two of 8 k (k <= 7) or four of
+ * 4 k (k <= 14). A string's bits are gathered by an OR across a register. Longer unary strings,
+ * and remainders where k > 14, go code by code. */
+typedef struct {
+    __m512i at8, at4, low;
+    __m128i shift;
+    int k;
+} RiceCodes;
+
+static inline __attribute__((always_inline)) AVX512_TARGET RiceCodes rice_codes(int k) {
     const long long kk = k;
     /* Shifts that put remainder j of a string at its place from bit 63 down: lane j's k bits
-     * end at bit 64 - k (j + 1) of the string's word. */
-    const __m512i at8 = _mm512_set_epi64(64 - 8 * kk, 64 - 7 * kk, 64 - 6 * kk, 64 - 5 * kk,
-                                         64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk);
-    const __m512i at4 = _mm512_set_epi64(64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk,
-                                         64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk);
-    __m512i before = none;
+     * end at bit 64 - k (j + 1) of the string's word (of its half's, for at4). */
+    RiceCodes c = {
+        _mm512_set_epi64(64 - 8 * kk, 64 - 7 * kk, 64 - 6 * kk, 64 - 5 * kk, 64 - 4 * kk,
+                         64 - 3 * kk, 64 - 2 * kk, 64 - kk),
+        _mm512_set_epi64(64 - 4 * kk, 64 - 3 * kk, 64 - 2 * kk, 64 - kk, 64 - 4 * kk,
+                         64 - 3 * kk, 64 - 2 * kk, 64 - kk),
+        _mm512_set1_epi64((long long)((1ull << k) - 1)), _mm_cvtsi32_si128(k), k};
+    return c;
+}
+
+/* The 16 codes of the gaps in ga (first 8) and gb. */
+static inline __attribute__((always_inline)) AVX512_TARGET void rice_put_16(
+    TopWriter *u, TopWriter *r, const RiceCodes *c, __m512i ga, __m512i gb) {
+    const __m512i one = _mm512_set1_epi64(1), sixty_four = _mm512_set1_epi64(64);
+    const __m512i zero = _mm512_setzero_si512();
+    const int k = c->k;
+    __m512i sa = _mm512_add_epi64(_mm512_srl_epi64(ga, c->shift), one);
+    __m512i sb = _mm512_add_epi64(_mm512_srl_epi64(gb, c->shift), one);
+    sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 7));
+    sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 7));
+    sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 6));
+    sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 6));
+    sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 4));
+    sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 4));
+    sb = _mm512_add_epi64(sb, _mm512_permutexvar_epi64(_mm512_set1_epi64(7), sa)); /* after a's */
+    uint64_t length = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(sb, 3), 1);
+    if (length <= TW_MAX) {
+        /* Code j's zero at bit s[j] - 1 of the string: bit 64 - s[j] of a top-aligned word. */
+        __m512i za = _mm512_sllv_epi64(one, _mm512_sub_epi64(sixty_four, sa));
+        __m512i zb = _mm512_sllv_epi64(one, _mm512_sub_epi64(sixty_four, sb));
+        uint64_t zeros = (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(za, zb));
+        tw_put(u, ~zeros & (~0ull << (64 - length)), (unsigned)length);
+    } else {
+        uint64_t g[16];
+        _mm512_storeu_si512((void *)g, ga);
+        _mm512_storeu_si512((void *)(g + 8), gb);
+        for (int j = 0; j < 16; j++) tw_put_unary(u, g[j] >> k);
+    }
+    if (k == 0) return;
+    __m512i ra = _mm512_and_si512(ga, c->low), rb = _mm512_and_si512(gb, c->low);
+    if (k <= 3) {
+        /* a's remainders in the top 8 k bits, b's in the next 8 k */
+        __m512i wa = _mm512_sllv_epi64(ra, c->at8);
+        __m512i wb = _mm512_srl_epi64(_mm512_sllv_epi64(rb, c->at8), _mm_cvtsi32_si128(8 * k));
+        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(wa, wb)), 16u * (unsigned)k);
+    } else if (k <= 7) {
+        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(ra, c->at8)), 8u * (unsigned)k);
+        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(rb, c->at8)), 8u * (unsigned)k);
+    } else if (k <= 14) {
+        __m512i wa = _mm512_sllv_epi64(ra, c->at4), wb = _mm512_sllv_epi64(rb, c->at4);
+        tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wa), 4u * (unsigned)k);
+        tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0xF0, wa), 4u * (unsigned)k);
+        tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wb), 4u * (unsigned)k);
+        tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0xF0, wb), 4u * (unsigned)k);
+    } else {
+        uint64_t g[16];
+        _mm512_storeu_si512((void *)g, ra);
+        _mm512_storeu_si512((void *)(g + 8), rb);
+        for (int j = 0; j < 16; j++) tw_put_low(r, g[j], (unsigned)k);
+    }
+}
+
+/* Both Rice streams of the first codes of the increasing positions pos (n >= 16), 16 at a time
+ * (rice_put_16). Returns how many codes are done. */
+static AVX512_TARGET size_t rice_streams_avx512(TopWriter *u, TopWriter *r, const int64_t *pos,
+                                               size_t n, int k) {
+    const RiceCodes c = rice_codes(k);
+    __m512i before = _mm512_set1_epi64(-1);
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512i ga = gaps_of_8(pos + i, &before), gb = gaps_of_8(pos + i + 8, &before);
-        __m512i sa = _mm512_add_epi64(_mm512_srl_epi64(ga, shift), one);
-        __m512i sb = _mm512_add_epi64(_mm512_srl_epi64(gb, shift), one);
-        sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 7));
-        sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 7));
-        sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 6));
-        sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 6));
-        sa = _mm512_add_epi64(sa, _mm512_alignr_epi64(sa, zero, 4));
-        sb = _mm512_add_epi64(sb, _mm512_alignr_epi64(sb, zero, 4));
-        __m512i la = _mm512_permutexvar_epi64(_mm512_set1_epi64(7), sa);
-        sb = _mm512_add_epi64(sb, la); /* the ends of b's codes follow a's */
-        uint64_t length = (uint64_t)_mm_extract_epi64(_mm512_extracti32x4_epi32(sb, 3), 1);
-        if (length <= TW_MAX) {
-            /* Code j's zero at bit s[j] - 1 of the string: bit 64 - s[j] of a top-aligned word.
-             * (A lane past 64 would shift out; none is, as the whole string fits.) */
-            __m512i za = _mm512_sllv_epi64(one, _mm512_sub_epi64(_mm512_add_epi64(top, one), sa));
-            __m512i zb = _mm512_sllv_epi64(one, _mm512_sub_epi64(_mm512_add_epi64(top, one), sb));
-            uint64_t zeros = (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(za, zb));
-            tw_put(u, ~zeros & (~0ull << (64 - length)), (unsigned)length);
-        } else {
-            uint64_t g[16];
-            _mm512_storeu_si512((void *)g, ga);
-            _mm512_storeu_si512((void *)(g + 8), gb);
-            for (int j = 0; j < 16; j++) tw_put_unary(u, g[j] >> k);
-        }
-        if (k == 0) continue;
-        __m512i ra = _mm512_and_si512(ga, low), rb = _mm512_and_si512(gb, low);
-        if (k <= 3) {
-            /* a's remainders in the top 8 k bits, b's in the next 8 k */
-            __m512i wa = _mm512_sllv_epi64(ra, at8);
-            __m512i wb = _mm512_srl_epi64(_mm512_sllv_epi64(rb, at8), _mm_cvtsi32_si128(8 * k));
-            tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(wa, wb)), 16u * (unsigned)k);
-        } else if (k <= 7) {
-            tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(ra, at8)), 8u * (unsigned)k);
-            tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(rb, at8)), 8u * (unsigned)k);
-        } else if (k <= 14) {
-            __m512i wa = _mm512_sllv_epi64(ra, at4), wb = _mm512_sllv_epi64(rb, at4);
-            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wa), 4u * (unsigned)k);
-            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0xF0, wa), 4u * (unsigned)k);
-            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wb), 4u * (unsigned)k);
-            tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0xF0, wb), 4u * (unsigned)k);
-        } else {
-            uint64_t g[16];
-            _mm512_storeu_si512((void *)g, ra);
-            _mm512_storeu_si512((void *)(g + 8), rb);
-            for (int j = 0; j < 16; j++) tw_put_low(r, g[j], (unsigned)k);
-        }
+        __m512i ga = gaps_of_8(pos + i, &before);
+        rice_put_16(u, r, &c, ga, gaps_of_8(pos + i + 8, &before));
     }
+    return i;
+}
+
+/* The same from the gaps themselves (codec 4's runs, one per context). */
+static AVX512_TARGET size_t rice_gaps_avx512(TopWriter *u, TopWriter *r, const uint64_t *gaps,
+                                            size_t n, int k) {
+    const RiceCodes c = rice_codes(k);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        rice_put_16(u, r, &c, _mm512_loadu_si512((const void *)(gaps + i)),
+                    _mm512_loadu_si512((const void *)(gaps + i + 8)));
     return i;
 }
 #endif
@@ -1784,19 +1762,16 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     table = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(contexts * 7));
-    unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((unary_bits + 7) / 8));
-    remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((remainder_bits + 7) / 8));
+    /* The streams as in rice_encode, with its bit writers (8 bytes of room past each). */
+    size_t ubytes = (size_t)((unary_bits + 7) / 8), rbytes = (size_t)((remainder_bits + 7) / 8);
+    unary = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(ubytes + 8));
+    remainder = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(rbytes + 8));
     if (!table || !unary || !remainder) goto done;
     uint8_t *tb = (uint8_t *)PyBytes_AS_STRING(table);
-    uint8_t *ubuf = (uint8_t *)PyBytes_AS_STRING(unary);
-    size_t ubytes = (size_t)PyBytes_GET_SIZE(unary);
-    BitWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
+    TopWriter u = {(uint8_t *)PyBytes_AS_STRING(unary), 0, 0, 0};
+    TopWriter r = {(uint8_t *)PyBytes_AS_STRING(remainder), 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     size_t c = 0;
-    /* The unary stream as in rice_encode: all ones, then the zero that ends each code
-     * cleared, 64 bits at a time; `end` is the bit index of the latest code's zero. */
-    memset(ubuf, 0xFF, ubytes);
-    uint64_t end = ~0ull, word_at = 0, zeros = 0;
     for (size_t e = 0; e < nkeys; e++) {
         size_t lo = start[e], hi = start[e + 1];
         if (lo == hi) continue;
@@ -1808,21 +1783,23 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
         c++;
         int k = ks[e];
         uint64_t low = k ? (1ull << k) - 1 : 0;
-        for (size_t s = lo; s < hi; s++) {
-            end += (gaps[s] >> k) + 1;
-            if ((end >> 6) != word_at) {
-                if (zeros) store_zeros(ubuf, ubytes, word_at, zeros);
-                word_at = end >> 6;
-                zeros = 0;
-            }
-            zeros |= 1ull << (63 - (end & 63));
-            if (k) put_bits(&r, gaps[s] & low, k);
+        size_t s = lo;
+#if HAVE_AVX512_LOOPS
+        if (use_avx512 && hi - lo >= 16) s += rice_gaps_avx512(&u, &r, gaps + lo, hi - lo, k);
+#endif
+        for (; s < hi; s++) {
+            tw_put_unary(&u, gaps[s] >> k);
+            if (k) tw_put_low(&r, gaps[s] & low, (unsigned)k);
         }
     }
-    if (zeros) store_zeros(ubuf, ubytes, word_at, zeros);
-    if ((end + 1) & 7) ubuf[ubytes - 1] &= (uint8_t)(0xFF00u >> ((end + 1) & 7));
-    flush_bits(&r);
     Py_END_ALLOW_THREADS
+    if (tw_size(&u) != ubytes || tw_size(&r) != rbytes) {
+        PyErr_SetString(PyExc_SystemError, "context_encode: stream sizes disagree with the plan");
+        goto done;
+    }
+    if (_PyBytes_Resize(&unary, (Py_ssize_t)ubytes) < 0 ||
+        _PyBytes_Resize(&remainder, (Py_ssize_t)rbytes) < 0)
+        goto done;
     result = PyTuple_Pack(4, table, unary, remainder, planes);
 done:
     Py_XDECREF(table);
