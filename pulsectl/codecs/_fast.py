@@ -4,7 +4,8 @@ The extension is built at install when a C compiler is present; every function i
 bytes of the numpy code it replaces (the tests run both and compare). ``PULSECTL_PURE_PYTHON=1``
 turns it off, e.g. to rule it out when chasing a bug.
 
-On x86-64 CPUs with AVX-512 (and VBMI2) a few loops run in an AVX-512 version, chosen at import;
+On x86-64 CPUs with AVX-512 (with VBMI and VBMI2) a few loops run in an AVX-512 version, chosen at
+import (finding changes, Rice coding and decoding, the context codec's dense walks);
 ``PULSECTL_NO_AVX512=1`` keeps the portable loops (same bytes; the tests run both).
 """
 
