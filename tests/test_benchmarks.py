@@ -49,3 +49,21 @@ def test_loops_refuses_a_checkout_without_its_extension(tmp_path: Path):
     done = _loops(tmp_path, other)
     assert done.returncode != 0
     assert "build it in place" in done.stderr
+
+
+def test_planes_experiment_runs_and_pairs_losslessly(tmp_path: Path):
+    """benchmarks/planes.py on the small preset: one row per pair, the paired plane no larger
+    than the stored one there, and every paired plane decoded back (it exits otherwise)."""
+    args = ["--out", str(tmp_path), "--preset", "small", "--lrs", "1e-5", "--ks", "1", "16"]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "planes.py"), *args, "--blocks", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("lr ")]
+    assert [r[:4] for r in rows] == [["lr", "1e-05", "k", "1"], ["lr", "1e-05", "k", "16"]]
+    for r in rows:
+        entropy, stored, paired = map(float, r[4:7])
+        assert 0 < entropy <= paired <= stored, r
