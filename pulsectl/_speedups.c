@@ -1065,21 +1065,9 @@ done:
         at = v.at;                                                                            \
         end_before = v.end_before;                                                            \
     }
-#else
-#define RICE_SCATTER_VEC(NAME)
-#endif
-#define RICE_SCATTER_OF(NAME, T)                                                              \
-    static inline void NAME##_add(uint8_t *words, int64_t at, const uint8_t *const *src,      \
-                                  size_t i) {                                                 \
-        T z = 0, x;                                                                           \
-        /* Positions only grow: ask for the words ahead (prefetchers lose an irregular     \
-         * stride); prefetching never faults, past the end neither. */                      \
-        __builtin_prefetch(words + sizeof(T) * (size_t)at + SCATTER_AHEAD, 1);                \
-        for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][i] << (8 * j));             \
-        memcpy(&x, words + sizeof(T) * (size_t)at, sizeof(T));                                \
-        x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                               \
-        memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                                \
-    }                                                                                         \
+/* Moves of a batch of the vector walk's positions: unzigzagged first (a loop the compiler
+ * vectorises), then added. */
+#define RICE_ADD_BATCH_OF(NAME, T)                                                            \
     static inline void NAME##_add_batch(uint8_t *restrict words, const uint32_t *at,          \
                                         size_t n, const uint8_t *const *src, size_t from) {   \
         T moves[RICE_VEC_BATCH];                                                              \
@@ -1094,7 +1082,24 @@ done:
             x = (T)(x + moves[i]);                                                            \
             memcpy(words + sizeof(T) * (size_t)at[i], &x, sizeof(T));                         \
         }                                                                                     \
+    }
+#else
+#define RICE_SCATTER_VEC(NAME)
+#define RICE_ADD_BATCH_OF(NAME, T)
+#endif
+#define RICE_SCATTER_OF(NAME, T)                                                              \
+    static inline void NAME##_add(uint8_t *words, int64_t at, const uint8_t *const *src,      \
+                                  size_t i) {                                                 \
+        T z = 0, x;                                                                           \
+        /* Positions only grow: ask for the words ahead (prefetchers lose an irregular     \
+         * stride); prefetching never faults, past the end neither. */                      \
+        __builtin_prefetch(words + sizeof(T) * (size_t)at + SCATTER_AHEAD, 1);                \
+        for (size_t j = 0; j < sizeof(T); j++) z |= (T)((T)src[j][i] << (8 * j));             \
+        memcpy(&x, words + sizeof(T) * (size_t)at, sizeof(T));                                \
+        x = (T)(x + (T)((T)(z >> 1) ^ (T)((T)0 - (T)(z & 1))));                               \
+        memcpy(words + sizeof(T) * (size_t)at, &x, sizeof(T));                                \
     }                                                                                         \
+    RICE_ADD_BATCH_OF(NAME, T)                                                                \
     /* Not inlined: inside rice_scatter the compiler kept the walk's state on the stack. */   \
     static __attribute__((noinline)) const char *NAME##_rice_walk(                            \
         uint8_t *restrict words, size_t nwords, const uint8_t *ub, size_t ulen,               \
