@@ -784,7 +784,8 @@ static inline uint64_t load_be64(const uint8_t *p, const uint8_t *end, uint8_t f
  * would have from the start). With 32-bit lanes it needs fewer than 2^27 words in the block
  * and a unary stream under 2^28 bytes (its positions, unary bits and sums of remainders stay
  * below 2^32), and k <= 24. A walk may start part way into both streams (codec 4's runs, one
- * per context, follow each other), at unary bit ubit0 and remainder bit rbit0. */
+ * per context, follow each other), at unary bit ubit0 and remainder bit rbit0: then
+ * q[0] + ... + q[i] = end[i] - ubit0 - i, with i counted from the walk's first code. */
 #if HAVE_AVX512_LOOPS
 #define RICE_VEC_WORDS ((size_t)1 << 27)
 #define RICE_VEC_UNARY ((size_t)1 << 28)
