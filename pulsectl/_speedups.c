@@ -620,8 +620,9 @@ static inline __attribute__((always_inline)) AVX512_TARGET void rice_put_16(
         __m512i wb = _mm512_srl_epi64(_mm512_sllv_epi64(rb, c->at8), _mm_cvtsi32_si128(8 * k));
         tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_or_si512(wa, wb)), 16u * (unsigned)k);
     } else if (k <= 7) {
-        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(ra, c->at8)), 8u * (unsigned)k);
-        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(rb, c->at8)), 8u * (unsigned)k);
+        unsigned bits = 8u * (unsigned)k;
+        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(ra, c->at8)), bits);
+        tw_put(r, (uint64_t)_mm512_reduce_or_epi64(_mm512_sllv_epi64(rb, c->at8)), bits);
     } else if (k <= 14) {
         __m512i wa = _mm512_sllv_epi64(ra, c->at4), wb = _mm512_sllv_epi64(rb, c->at4);
         tw_put(r, (uint64_t)_mm512_mask_reduce_or_epi64(0x0F, wa), 4u * (unsigned)k);
@@ -853,7 +854,8 @@ static inline __attribute__((always_inline)) AVX512_TARGET void rice_vec_read(Ri
     e = _mm512_permutexvar_epi8(_mm512_sub_epi8(_mm512_set1_epi8((char)(c - 1)), iota8), e);
     __m512i base = _mm512_set1_epi32((int)(64 * v->next));
     uint32_t *dst = v->ends + v->tail;
-    _mm512_storeu_si512(dst, _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(e)), base));
+    _mm512_storeu_si512(dst,
+                        _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(e)), base));
     if (c > 16) {
         _mm512_storeu_si512(dst + 16, _mm512_add_epi32(
             _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(e, 1)), base));
@@ -950,6 +952,25 @@ static AVX512_TARGET __attribute__((noinline)) size_t rice_vec_positions(RiceVec
     }
     return n;
 }
+
+/* The first codes of a walk by the vector walk, where it can take them (rice_vec_fits): from
+ * unary bit UBIT0 and remainder bit RBIT0, a batch of n positions at a time (batch[0..n), codes
+ * found .. found + n - 1), each batch handed to BATCH, after which found moves on by n. Leaves
+ * at and end_before for the scalar walk, which goes on from code found. Expects ub, ulen, rb,
+ * rend, count, k and nwords, and found = 0, at = -1 and end_before = UBIT0 - 1, in scope. */
+#define RICE_VEC_FIRST(UBIT0, RBIT0, BATCH)                                                   \
+    if (rice_vec_fits(nwords, ulen, count, k)) {                                              \
+        RiceVec v;                                                                            \
+        uint32_t batch[RICE_VEC_BATCH];                                                       \
+        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, UBIT0, RBIT0);                \
+        for (size_t n; (n = rice_vec_positions(&v, batch)); found += n) {                     \
+            BATCH;                                                                            \
+        }                                                                                     \
+        at = v.at;                                                                            \
+        end_before = v.end_before;                                                            \
+    }
+#else
+#define RICE_VEC_FIRST(UBIT0, RBIT0, BATCH)
 #endif
 
 static const char *rice_walk_positions(const uint8_t *ub, size_t ulen, const uint8_t *rb,
@@ -963,17 +984,7 @@ static const char *rice_positions(const uint8_t *ub, size_t ulen, const uint8_t 
                                   int64_t *out) {
     size_t found = 0;
     int64_t at = -1, end_before = -1;
-#if HAVE_AVX512_LOOPS
-    if (rice_vec_fits(nwords, ulen, count, k)) {
-        RiceVec v;
-        uint32_t batch[RICE_VEC_BATCH];
-        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, 0, 0);
-        for (size_t n; (n = rice_vec_positions(&v, batch));)
-            for (size_t j = 0; j < n; j++) out[found++] = batch[j];
-        at = v.at;
-        end_before = v.end_before;
-    }
-#endif
+    RICE_VEC_FIRST(0, 0, for (size_t j = 0; j < n; j++) out[found + j] = batch[j])
     return rice_walk_positions(ub, ulen, rb, rend, count, k, nwords, out,
                                (uint64_t)(end_before + 1), found, at);
 }
@@ -995,17 +1006,7 @@ static const char *context_run(const uint8_t *ub, size_t ulen, const uint8_t *rb
                                uint64_t ubit0, uint64_t rbit0, int64_t *out, uint64_t *next) {
     size_t found = 0;
     int64_t at = -1, end_before = (int64_t)ubit0 - 1;
-#if HAVE_AVX512_LOOPS
-    if (rice_vec_fits(nwords, ulen, count, k)) {
-        RiceVec v;
-        uint32_t batch[RICE_VEC_BATCH];
-        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, ubit0, rbit0);
-        for (size_t n; (n = rice_vec_positions(&v, batch));)
-            for (size_t j = 0; j < n; j++) out[found++] = batch[j];
-        at = v.at;
-        end_before = v.end_before;
-    }
-#endif
+    RICE_VEC_FIRST(ubit0, rbit0, for (size_t j = 0; j < n; j++) out[found + j] = batch[j])
     return context_walk(ub, ulen, rb, rend, count, k, nwords, (uint64_t)(end_before + 1), rbit0,
                         out, next, found, at);
 }
@@ -1054,18 +1055,6 @@ done:
  * once by the zigzag value its planes hold (unzigzag, then scatter_add). */
 #define SCATTER_AHEAD 4096
 #if HAVE_AVX512_LOOPS
-/* The positions of the vector walk (rice_vec_positions), a batch at a time, then the rest by
- * the scalar walk. */
-#define RICE_SCATTER_VEC(NAME)                                                                \
-    if (rice_vec_fits(nwords, ulen, count, k)) {                                              \
-        RiceVec v;                                                                            \
-        uint32_t batch[RICE_VEC_BATCH];                                                       \
-        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, 0, 0);                        \
-        for (size_t n; (n = rice_vec_positions(&v, batch)); found += n)                       \
-            NAME##_add_batch(words, batch, n, src, found);                                    \
-        at = v.at;                                                                            \
-        end_before = v.end_before;                                                            \
-    }
 /* Moves of a batch of the vector walk's positions: unzigzagged first (a loop the compiler
  * vectorises), then added. */
 #define RICE_ADD_BATCH_OF(NAME, T)                                                            \
@@ -1085,7 +1074,6 @@ done:
         }                                                                                     \
     }
 #else
-#define RICE_SCATTER_VEC(NAME)
 #define RICE_ADD_BATCH_OF(NAME, T)
 #endif
 #define RICE_SCATTER_OF(NAME, T)                                                              \
@@ -1115,7 +1103,7 @@ done:
                                            const uint8_t *const *src) {                       \
         size_t found = 0;                                                                     \
         int64_t at = -1, end_before = -1;                                                     \
-        RICE_SCATTER_VEC(NAME)                                                                \
+        RICE_VEC_FIRST(0, 0, NAME##_add_batch(words, batch, n, src, found))                   \
         return NAME##_rice_walk(words, nwords, ub, ulen, rb, rend, count, k, src,             \
                                 (uint64_t)(end_before + 1), found, at);                       \
     }
@@ -2007,17 +1995,8 @@ static const char *context_bits(
     BitSetter b = {bitmap, off >> 6, 0};
     size_t found = 0;
     int64_t at = -1, end_before = (int64_t)ubit0 - 1;
-#if HAVE_AVX512_LOOPS
-    if (rice_vec_fits(nwords, ulen, count, k)) {
-        RiceVec v;
-        uint32_t batch[RICE_VEC_BATCH];
-        rice_vec_init(&v, ub, ulen, rb, rend, count, k, nwords, ubit0, rbit0);
-        for (size_t n; (n = rice_vec_positions(&v, batch)); found += n)
-            for (size_t j = 0; j < n; j++) set_next_bit(&b, off + batch[j]);
-        at = v.at;
-        end_before = v.end_before;
-    }
-#endif
+    RICE_VEC_FIRST(ubit0, rbit0,
+                   for (size_t j = 0; j < n; j++) set_next_bit(&b, off + batch[j]))
     return context_bits_walk(ub, ulen, rb, rend, count, k, nwords, (uint64_t)(end_before + 1),
                              rbit0, b, off, next, found, at);
 }
