@@ -13,13 +13,22 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pulsectl.synth
 from pulsectl.synth import generate_chain
 
 MARKER = "chain.json"
 LOCK = "building.pid"
+
+# The learning rates and step distances that benchmarks/run.py diffs. A cached chain is reused
+# only if it keeps every step asked for, so scripts that time other pairs of the same chains
+# (loops.py, planes.py) ask for these steps too, or they would rebuild them.
+RUN_LRS = (1e-6, 3e-6, 1e-5)
+RUN_KS = (1, 4, 16)
+BLOCK = 8 << 20  # pulsectl diff's default block size
 
 
 def generator_digest() -> str:
@@ -88,6 +97,34 @@ def ensure_chain(
     want["generate_s"] = round(time.perf_counter() - t0, 1)
     marker.write_text(json.dumps(want, indent=2) + "\n")
     return d
+
+
+def run_pairs(
+    root: Path, preset: str, lrs: list[float], ks: list[int]
+) -> list[tuple[str, Path, Path]]:
+    """(label, step 0, step k) for each learning rate and k, from the chains of run.py (built
+    or reused under ``root``)."""
+    pairs = []
+    for lr in lrs:
+        steps = (*RUN_KS, *ks)
+        d = ensure_chain(root, preset, lr, max(steps), {0, *steps})
+        pairs += [(f"lr {lr:g} k {k}", step_path(d, 0), step_path(d, k)) for k in ks]
+    return pairs
+
+
+def sample_blocks(old: Path, new: Path, nblocks: int) -> Iterator[tuple[Any, Any]]:
+    """``nblocks`` evenly spaced blocks of BLOCK bytes of a pair's data region (whole 2-byte
+    words), as uint8 arrays of their own."""
+    import numpy as np
+
+    from benchmarks.tensors import data_region
+
+    start, end = data_region(new)
+    a = np.memmap(old, dtype=np.uint8, mode="r")
+    b = np.memmap(new, dtype=np.uint8, mode="r")
+    for at in np.linspace(start, end - BLOCK, nblocks).astype(np.int64):
+        at = int(at) // 2 * 2
+        yield np.array(a[at : at + BLOCK]), np.array(b[at : at + BLOCK])
 
 
 if __name__ == "__main__":  # python benchmarks/chains.py ROOT PRESET LR [LR...]

@@ -36,9 +36,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's idle BLAS threads 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BLOCK = 8 << 20
-# The chains of benchmarks/run.py (its LRS and KS): asking for other steps would rebuild them.
-RUN_STEPS = (1, 4, 16)
 LOOPS = ("rice_encode", "rice_scatter", "context_encode", "context_scatter")
 
 
@@ -68,18 +65,13 @@ def measure(
     """Per pair: the share of changed words, and ns per word of each loop of each build."""
     import numpy as np
 
-    from benchmarks.tensors import data_region
+    from benchmarks.chains import sample_blocks
 
     rows = []
     for old_path, new_path in pairs:
-        start, end = data_region(new_path)
-        a = np.memmap(old_path, dtype=np.uint8, mode="r")
-        b = np.memmap(new_path, dtype=np.uint8, mode="r")
         spent = {loop: dict.fromkeys(builds, 0.0) for loop in LOOPS}
         words = changed = 0
-        for at in np.linspace(start, end - BLOCK, nblocks).astype(np.int64):
-            at = int(at) // 2 * 2
-            old, new = np.array(a[at : at + BLOCK]), np.array(b[at : at + BLOCK])
+        for old, new in sample_blocks(old_path, new_path, nblocks):
             pos = np.flatnonzero(old.view(np.uint16) != new.view(np.uint16)).astype(np.int64)
             if pos.size == 0:
                 continue
@@ -149,17 +141,18 @@ def _time_block(
 
 
 def main() -> None:
+    from benchmarks.chains import RUN_LRS, run_pairs
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/pulsectl-bench"))
     ap.add_argument("--preset", default="qwen2.5-0.5b")
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    ap.add_argument("--lrs", type=float, nargs="+", default=list(RUN_LRS))
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", type=Path, default=None)
     args = ap.parse_args()
 
-    from benchmarks.chains import ensure_chain, step_path
     from pulsectl.cli.entry import _keep_freed_memory
     from pulsectl.codecs import _fast
 
@@ -169,13 +162,9 @@ def main() -> None:
     builds = {"this checkout": _fast.native}
     if args.against:
         builds[str(args.against)] = load_extension(args.against)
-    pairs = []
-    for lr in args.lrs:
-        steps = (*RUN_STEPS, *args.ks)
-        d = ensure_chain(args.out / "chains", args.preset, lr, max(steps), {0, *steps})
-        pairs += [(step_path(d, 0), step_path(d, k)) for k in args.ks]
-    rows = measure(pairs, args.blocks, args.rounds, builds)
-    labels = [f"lr {lr:g} k {k}" for lr in args.lrs for k in args.ks]
+    pairs = run_pairs(args.out / "chains", args.preset, args.lrs, args.ks)
+    rows = measure([(old, new) for _, old, new in pairs], args.blocks, args.rounds, builds)
+    labels = [label for label, _, _ in pairs]
     names = list(builds)
     print(f"{'pair':<16} {'changed':>8}  " + "  ".join(f"{n[-24:]:>24}" for n in names))
     for loop in LOOPS:

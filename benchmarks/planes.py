@@ -31,8 +31,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BLOCK = 8 << 20
-RUN_STEPS = (1, 4, 16)  # the chains of benchmarks/run.py: other steps would rebuild them
 SMALL = 15  # low bytes below this pair up: 15 * 15 = 225 pair symbols
 ESCAPE = SMALL * SMALL
 
@@ -73,7 +71,7 @@ def unpair(symbols: Any, escapes: Any, count: int) -> Any:
 def measure(pairs: list[tuple[Path, Path]], nblocks: int) -> list[dict[str, float]]:
     import numpy as np
 
-    from benchmarks.tensors import data_region
+    from benchmarks.chains import sample_blocks
     from pulsectl import _zstd
 
     def packed(plane: Any) -> int:
@@ -81,16 +79,11 @@ def measure(pairs: list[tuple[Path, Path]], nblocks: int) -> list[dict[str, floa
 
     rows = []
     for old_path, new_path in pairs:
-        start, end = data_region(new_path)
-        a = np.memmap(old_path, dtype=np.uint8, mode="r")
-        b = np.memmap(new_path, dtype=np.uint8, mode="r")
         sums = dict.fromkeys(
             ("changed", "entropy", "now", "paired", "high", "t_now", "t_pair"), 0.0
         )
-        for at in np.linspace(start, end - BLOCK, nblocks).astype(np.int64):
-            at = int(at) // 2 * 2
-            old = np.asarray(a[at : at + BLOCK]).view(np.uint16)
-            new = np.asarray(b[at : at + BLOCK]).view(np.uint16)
+        for old8, new8 in sample_blocks(old_path, new_path, nblocks):
+            old, new = old8.view(np.uint16), new8.view(np.uint16)
             pos = np.flatnonzero(old != new)
             if pos.size == 0:
                 continue
@@ -128,28 +121,23 @@ def measure(pairs: list[tuple[Path, Path]], nblocks: int) -> list[dict[str, floa
 
 
 def main() -> None:
+    from benchmarks.chains import RUN_KS, RUN_LRS, run_pairs
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/pulsectl-bench"))
     ap.add_argument("--preset", default="qwen2.5-0.5b")
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--lrs", type=float, nargs="+", default=list(RUN_LRS))
+    ap.add_argument("--ks", type=int, nargs="+", default=list(RUN_KS))
     ap.add_argument("--blocks", type=int, default=4)
     args = ap.parse_args()
 
-    from benchmarks.chains import ensure_chain, step_path
-
-    pairs = []
-    for lr in args.lrs:
-        steps = (*RUN_STEPS, *args.ks)
-        d = ensure_chain(args.out / "chains", args.preset, lr, max(steps), {0, *steps})
-        pairs += [(step_path(d, 0), step_path(d, k)) for k in args.ks]
-    rows = measure(pairs, args.blocks)
+    pairs = run_pairs(args.out / "chains", args.preset, args.lrs, args.ks)
+    rows = measure([(old, new) for _, old, new in pairs], args.blocks)
     print(
         f"{'pair':<16} {'low: entropy':>12} {'stored':>7} {'paired':>7} {'saved':>6}  "
         f"{'high: stored':>12}  {'compress ns/chg: now':>20} {'paired':>7}   (bits per change)"
     )
-    labels = [f"lr {lr:g} k {k}" for lr in args.lrs for k in args.ks]
-    for label, r in zip(labels, rows, strict=True):
+    for (label, _, _), r in zip(pairs, rows, strict=True):
         print(
             f"{label:<16} {r['entropy']:>12.3f} {r['now']:>7.3f} {r['paired']:>7.3f} "
             f"{(r['now'] - r['paired']) / 8:>5.3f}B  {r['high']:>12.3f}  "

@@ -35,11 +35,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from benchmarks import breakdown, entropy, extras, measure, report, v31  # noqa: E402
-from benchmarks.chains import ensure_chain, step_path  # noqa: E402
+from benchmarks.chains import RUN_KS, RUN_LRS, ensure_chain, step_path  # noqa: E402
 from benchmarks.tensors import data_region, largest_tensor_bytes, load_pairs  # noqa: E402
 
-LRS = (1e-6, 3e-6, 1e-5)
-KS = (1, 4, 16)
 MB = 1_000_000
 
 
@@ -399,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="small preset, one timing run: a smoke test"
     )
-    ap.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
-    ap.add_argument("--ks", type=int, nargs="+", default=list(KS))
+    ap.add_argument("--lrs", type=float, nargs="+", default=list(RUN_LRS))
+    ap.add_argument("--ks", type=int, nargs="+", default=list(RUN_KS))
     ap.add_argument(
         "--repeats",
         type=int,
