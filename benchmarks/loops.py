@@ -99,7 +99,7 @@ def _time_block(
     from pulsectl.codecs._bits import value_plane_bytes
 
     key = context.KEYS["BF16"]
-    payload = context.encode(old, new, 2, pos, key, 19)
+    payload, _ = context.encode(old, new, 2, pos, key, 19)
     view, count, shift, bits, keys, ks, counts, unary, remainder, offset = context._parse(
         payload, 2, old.size // 2
     )

@@ -13,8 +13,9 @@ For each chain pair (those of benchmarks/run.py, built or reused in OUT/chains) 
 ``--blocks`` evenly spaced 8 MiB blocks of the data region and prints, in bits per changed
 word: the low plane's order-0 entropy (per block), the plane as pulsectl stores it now, and
 paired; the high plane as stored now; and the CPU time of compressing the low plane both ways.
-Each paired plane is decoded again and checked against the plane. Nothing here is in the patch
-format: it measures whether such a change would pay.
+Each paired plane is decoded again and checked against the plane. This experiment led to codecs
+6 and 7 (docs/FORMAT.md), which store plane 0 so; it still measures the plain form against the
+paired one, with its own numpy pairing (the codecs use compiled loops).
 """
 
 from __future__ import annotations

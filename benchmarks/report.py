@@ -322,34 +322,34 @@ def render(r: dict[str, Any]) -> str:
     w("## Where pulsectl's bytes go (default level, B/chg)")
     w("")
     w(
-        "From re-encoding every 8 MiB block with pulsectl's own delta codec "
-        '(`benchmarks/breakdown.py`); "container" is the rest of the patch file (header, frame and '
-        "block headers, trailer). Compare gap planes with the position entropies above and value "
-        "planes with the values entropy. A negative container figure means pulsectl stored some "
-        "dense blocks (over 5% changed) with a smaller raw codec than the delta codec re-encoded "
-        "here, so the split is approximate there."
+        "From re-encoding every 8 MiB block with `pulsectl.codecs.encode_block`, as `diff` does "
+        "(`benchmarks/breakdown.py`): positions are the gap streams (Rice, or codec 3's gap "
+        "planes), values the zigzag value planes (plane 0 paired in codecs 6 and 7), headers the "
+        "payloads' fixed fields and lengths, whole the blocks stored whole (codecs 1 and 2); "
+        '"container" is the rest of the patch file (header, frame and block headers, trailer). '
+        "Compare positions with the position entropies above and values with the values entropy."
     )
     w("")
     w(
-        "| lr | k | gap planes | value planes | payload headers | container | patch | "
+        "| lr | k | positions | values | payload headers | whole blocks | container | patch | "
         "positions entropy (given base) | values entropy |"
     )
-    w("|---|---|---|---|---|---|---|---|---|")
+    w("|---|---|---|---|---|---|---|---|---|---|")
     for p in pairs:
         b = p.get("pulsectl_breakdown", {})
         ch = p["changed"]
         patch = p["pulsectl"].get("default", {}).get("bytes")
         if "error" in b or not b or patch is None:
             w(
-                f"| {p['lr']:g} | {p['k']} | – | – | – | – | {_f(_bpc(patch, ch))} | "
+                f"| {p['lr']:g} | {p['k']} | – | – | – | – | – | {_f(_bpc(patch, ch))} | "
                 f"{p['entropy']['mask_by_exponent']:.3f} | {p['entropy']['values']:.3f} |"
             )
             continue
-        inner = b["gap_plane_bytes"] + b["value_plane_bytes"] + b["payload_header_bytes"]
+        inner = b["positions"] + b["values"] + b["headers"] + b["whole"]
         w(
-            f"| {p['lr']:g} | {p['k']} | {b['gap_plane_bytes'] / ch:.3f} | "
-            f"{b['value_plane_bytes'] / ch:.3f} | {b['payload_header_bytes'] / ch:.3f} | "
-            f"{(patch - inner) / ch:.3f} | {patch / ch:.3f} | "
+            f"| {p['lr']:g} | {p['k']} | {b['positions'] / ch:.3f} | {b['values'] / ch:.3f} | "
+            f"{b['headers'] / ch:.3f} | {b['whole'] / ch:.3f} | {(patch - inner) / ch:.3f} | "
+            f"{patch / ch:.3f} | "
             f"{p['entropy']['mask_by_exponent']:.3f} | {p['entropy']['values']:.3f} |"
         )
     w("")

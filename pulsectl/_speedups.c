@@ -105,7 +105,7 @@ static inline size_t bit_count(uint64_t x) {
  * span's mask; in the others every index is stored and the count moves on only where the
  * words differ (no branch to mispredict when a third of the words change). With `planes`, the
  * zigzag move of each word also goes into `word` planes (plane p at planes + p * stride), the
- * value planes of codecs 3-5, while both words are in registers. One function per word type. */
+ * value planes of codecs 3-7 (before pairing), while both words are in registers. One function per word type. */
 #define PREFETCH_AHEAD 2048
 
 #define CHANGES_OF(NAME, T)                                                                   \
@@ -342,7 +342,7 @@ done:
         }                                                                                     \
     } while (0)
 
-/* zigzag_planes(old, new, positions, word) -> bytes: the value planes of codecs 3-5 before
+/* zigzag_planes(old, new, positions, word) -> bytes: the value planes of codecs 3-7 before
  * compression, plane 0 first, each len(positions) bytes: byte p of zigzag(new - old) of each
  * changed word. */
 static PyObject *zigzag_planes(PyObject *self, PyObject *args) {
@@ -1321,6 +1321,212 @@ static PyObject *unzigzag(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
 done:
     release_planes(views, held, zero);
+    return result;
+}
+
+/* ---------------------------------------------------------------- paired low planes */
+
+/* Codecs 6 and 7 store value plane 0 in pairs: bytes a, b (a zero pads an odd plane) become one
+ * symbol, PAIR_SMALL * a + b when both are below PAIR_SMALL, else PAIR_ESCAPE with a and b in
+ * an escape stream of their own. An Adam step's low zigzag bytes are mostly 1 and 2 (one unit
+ * down or up): two of them per symbol let zstd's Huffman code, whose lengths are whole bits, come
+ * close to their entropy. */
+#define PAIR_SMALL 15
+#define PAIR_ESCAPE (PAIR_SMALL * PAIR_SMALL)
+
+#define BYTES_1 0x0101010101010101ull
+#define BYTES_80 0x8080808080808080ull
+
+/* Pairs [from, m) of the plane (n bytes) into symbols; escapes go to esc + e. Returns the new e.
+ * esc needs room for two more bytes than it keeps. Eight pairs whose 16 bytes are all small (the
+ * usual case: no byte reaches PAIR_SMALL, told by adding 128 - PAIR_SMALL to each byte's low
+ * seven bits) are paired without the escape's bookkeeping. */
+static size_t pair_scalar(const uint8_t *src, size_t n, size_t from, size_t m, uint8_t *sym,
+                          uint8_t *esc, size_t e) {
+    size_t i = from;
+    while (i < m) {
+        if (i + 8 <= n / 2) {
+            uint64_t x[2];
+            memcpy(x, src + 2 * i, 16);
+            uint64_t big = 0;
+            for (int h = 0; h < 2; h++)
+                big |= (((x[h] & ~BYTES_80) + (128 - PAIR_SMALL) * BYTES_1) | x[h]) & BYTES_80;
+            if (!big) {
+                for (int j = 0; j < 8; j++, i++)
+                    sym[i] = (uint8_t)(PAIR_SMALL * src[2 * i] + src[2 * i + 1]);
+                continue;
+            }
+        }
+        size_t to = i + 8 < m ? i + 8 : m;
+        for (; i < to; i++) {
+            unsigned a = src[2 * i], b = 2 * i + 1 < n ? src[2 * i + 1] : 0;
+            unsigned small = (a < PAIR_SMALL) & (b < PAIR_SMALL);
+            sym[i] = (uint8_t)(small ? PAIR_SMALL * a + b : PAIR_ESCAPE);
+            esc[e] = (uint8_t)a;
+            esc[e + 1] = (uint8_t)b;
+            e += 2 * (1 - small);
+        }
+    }
+    return e;
+}
+
+/* Unpairs symbols [from, m) into out (2 bytes each), escapes from esc[*e..nesc) (esc has two
+ * zero bytes past nesc). Returns nonzero on an invalid symbol or escapes that run out. Eight
+ * symbols with no escape among them (no byte of the eight reaches PAIR_ESCAPE = 128 + 97) are
+ * read from the table alone. */
+static unsigned unpair_scalar(const uint8_t *sym, size_t from, size_t m, const uint8_t *esc,
+                              size_t nesc, size_t *e_io, uint8_t *out) {
+    uint16_t pairs[256] = {0}; /* 0 for the escape and the invalid symbols above it */
+    for (unsigned v = 0; v < PAIR_ESCAPE; v++)
+        pairs[v] = (uint16_t)(v / PAIR_SMALL | (v % PAIR_SMALL) << 8);
+    size_t e = *e_io, i = from;
+    unsigned bad = 0;
+    while (i < m) {
+        if (i + 8 <= m) {
+            uint64_t x;
+            memcpy(&x, sym + i, 8);
+            if (!(((x & ~BYTES_80) + (128 - (PAIR_ESCAPE - 128)) * BYTES_1) & x & BYTES_80)) {
+                for (int j = 0; j < 8; j++, i++) memcpy(out + 2 * i, &pairs[sym[i]], 2);
+                continue;
+            }
+        }
+        size_t to = i + 8 < m ? i + 8 : m;
+        for (; i < to; i++) {
+            unsigned v = sym[i], is_escape = v == PAIR_ESCAPE;
+            size_t at = e < nesc ? e : nesc;
+            uint16_t escaped = (uint16_t)(esc[at] | esc[at + 1] << 8);
+            uint16_t ab = is_escape ? escaped : pairs[v];
+            bad |= v > PAIR_ESCAPE;
+            e += 2 * is_escape;
+            memcpy(out + 2 * i, &ab, 2);
+        }
+    }
+    *e_io = e;
+    return bad | (e > nesc);
+}
+
+#if HAVE_AVX512_LOOPS
+/* 32 pairs at a time: each pair is one 16-bit lane (a low, b high). A pair's symbol is 15 a + b;
+ * the escaped pairs leave as they are, compressed together (VPCOMPRESSW) into esc + e. Returns
+ * the pairs done (a multiple of 32) and the new e in *e_io; esc needs 64 bytes of room. */
+static AVX512_TARGET size_t pair_avx512(const uint8_t *src, size_t m, uint8_t *sym, uint8_t *esc,
+                                        size_t *e_io) {
+    const __m512i low = _mm512_set1_epi16(0xFF), small = _mm512_set1_epi16(PAIR_SMALL),
+                  escape = _mm512_set1_epi16(PAIR_ESCAPE);
+    size_t e = *e_io, i = 0;
+    for (; i + 32 <= m; i += 32) {
+        __m512i w = _mm512_loadu_si512(src + 2 * i);
+        __m512i a = _mm512_and_si512(w, low), b = _mm512_srli_epi16(w, 8);
+        __mmask32 ok = _mm512_cmplt_epu16_mask(a, small) & _mm512_cmplt_epu16_mask(b, small);
+        __m512i v = _mm512_add_epi16(_mm512_sub_epi16(_mm512_slli_epi16(a, 4), a), b);
+        v = _mm512_mask_blend_epi16(ok, escape, v);
+        _mm256_storeu_si256((__m256i *)(sym + i), _mm512_cvtepi16_epi8(v));
+        _mm512_storeu_si512(esc + e, _mm512_maskz_compress_epi16((__mmask32)~ok, w));
+        e += 2 * (size_t)__builtin_popcount((uint32_t)~ok);
+    }
+    *e_io = e;
+    return i;
+}
+
+/* The inverse, 32 symbols at a time: a = s / 15 as (137 s) >> 11 (exact for s < 256), b = s -
+ * 15 a, and the escapes expanded into the escape lanes (VPEXPANDW). Stops before a group whose
+ * escapes run past nesc, or that holds a symbol above PAIR_ESCAPE: the scalar loop goes on from
+ * there and finds what is wrong. Returns the symbols done and the new e in *e_io. */
+static AVX512_TARGET size_t unpair_avx512(const uint8_t *sym, size_t m, const uint8_t *esc,
+                                          size_t nesc, size_t *e_io, uint8_t *out) {
+    const __m512i mul = _mm512_set1_epi16(137), escape = _mm512_set1_epi16(PAIR_ESCAPE);
+    size_t e = *e_io, i = 0;
+    for (; i + 32 <= m; i += 32) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(sym + i)));
+        __mmask32 is_escape = _mm512_cmpeq_epi16_mask(v, escape);
+        size_t take = 2 * (size_t)__builtin_popcount(is_escape);
+        if (_mm512_cmpgt_epu16_mask(v, escape) || e + take > nesc) break;
+        __m512i a = _mm512_srli_epi16(_mm512_mullo_epi16(v, mul), 11);
+        __m512i b = _mm512_sub_epi16(v, _mm512_sub_epi16(_mm512_slli_epi16(a, 4), a));
+        __m512i ab = _mm512_or_si512(a, _mm512_slli_epi16(b, 8));
+        ab = _mm512_mask_expandloadu_epi16(ab, is_escape, esc + e);
+        _mm512_storeu_si512(out + 2 * i, ab);
+        e += take;
+    }
+    *e_io = e;
+    return i;
+}
+#endif
+
+/* pair_plane(plane) -> (symbols, escapes). */
+static PyObject *pair_plane(PyObject *self, PyObject *args) {
+    Py_buffer p;
+    if (!PyArg_ParseTuple(args, "y*", &p)) return NULL;
+    PyObject *result = NULL, *symbols = NULL;
+    size_t n = (size_t)p.len, m = (n + 1) / 2, e = 0;
+    uint8_t *esc = malloc(2 * m + 64); /* room for the vector loop's and the scalar's stores */
+    if (!esc) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    symbols = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)m);
+    if (!symbols) goto done;
+    uint8_t *sym = (uint8_t *)PyBytes_AS_STRING(symbols);
+    const uint8_t *src = p.buf;
+    Py_BEGIN_ALLOW_THREADS
+    size_t done = 0;
+#if HAVE_AVX512_LOOPS
+    /* whole pairs only: the last, padded one of an odd plane is the scalar loop's */
+    if (use_avx512) done = pair_avx512(src, n / 2, sym, esc, &e);
+#endif
+    e = pair_scalar(src, n, done, m, sym, esc, e);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(Oy#)", symbols, (const char *)esc, (Py_ssize_t)e);
+done:
+    Py_XDECREF(symbols);
+    free(esc);
+    PyBuffer_Release(&p);
+    return result;
+}
+
+/* unpair_plane(symbols, escapes, count) -> bytes: the `count` bytes of a paired plane. Raises
+ * the corrupt error on a symbol above PAIR_ESCAPE, escapes that are not exactly those of the
+ * escape symbols, or a nonzero pad byte. */
+static PyObject *unpair_plane(PyObject *self, PyObject *args) {
+    Py_buffer s, x;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "y*y*n", &s, &x, &count)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *esc = NULL;
+    if (count < 0 || s.len != (count + 1) / 2) {
+        corrupt("paired plane has the wrong number of symbols");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, 2 * s.len); /* shortened to count below */
+    if (!result) goto done;
+    esc = calloc((size_t)x.len + 2, 1); /* room to read past the last escape */
+    if (!esc) {
+        PyErr_NoMemory();
+        Py_CLEAR(result);
+        goto done;
+    }
+    memcpy(esc, x.buf, (size_t)x.len);
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    size_t m = (size_t)s.len, nesc = (size_t)x.len, e = 0, done = 0;
+    unsigned bad;
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_AVX512_LOOPS
+    if (use_avx512) done = unpair_avx512(s.buf, m, esc, nesc, &e, out);
+#endif
+    bad = unpair_scalar(s.buf, done, m, esc, nesc, &e, out);
+    bad |= e != nesc;
+    if (!bad && (count & 1) && out[count]) bad = 1;
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        Py_CLEAR(result);
+        corrupt("paired plane is damaged");
+        goto done;
+    }
+    if (_PyBytes_Resize(&result, count) < 0) result = NULL;
+done:
+    free(esc);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&x);
     return result;
 }
 
@@ -2524,6 +2730,10 @@ static PyMethodDef methods[] = {
      "scatter_add(words, positions, moves, word): words[p] += move in place (wrapping)."},
     {"unzigzag", unzigzag, METH_VARARGS,
      "unzigzag(planes, count, word) -> bytearray: moves from their zigzag planes (None = zero)."},
+    {"pair_plane", pair_plane, METH_VARARGS,
+     "pair_plane(plane) -> (symbols, escapes): value plane 0 in the paired form of codecs 6, 7."},
+    {"unpair_plane", unpair_plane, METH_VARARGS,
+     "unpair_plane(symbols, escapes, count) -> bytes: the plane pair_plane was given."},
     {"context_ranks", context_ranks, METH_VARARGS,
      "context_ranks(old, word, shift, bits, positions) -> (ranks, sizes) for codec 4."},
     {"context_positions", context_positions, METH_VARARGS,

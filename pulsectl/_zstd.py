@@ -56,13 +56,16 @@ def compress_plane(data: bytes | memoryview | np.ndarray, level: int) -> bytes:
     return cctx.compress(memoryview(data))
 
 
-def decompress(data: bytes | memoryview, size: int) -> bytes:
-    """Decompress one frame that must hold exactly ``size`` bytes."""
+def decompress(data: bytes | memoryview, size: int, *, at_most: bool = False) -> bytes:
+    """Decompress one frame that must hold exactly ``size`` bytes (with ``at_most``: any number
+    up to ``size``, as its header says)."""
     dctx = getattr(_local, "dctx", None)
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
     try:
         params = zstandard.get_frame_parameters(data)
+        if at_most and 0 <= params.content_size <= size:
+            size = params.content_size
         if params.content_size != size:
             raise CorruptPatchError(
                 f"zstd frame holds {params.content_size} bytes, expected {size}"

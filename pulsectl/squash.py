@@ -27,13 +27,16 @@ from pulsectl.codecs import (
     CODEC_COPY,
     CODEC_DELTA,
     CODEC_RICE,
+    CODEC_RICE_PAIRED,
     CODEC_STORE,
     CODEC_ZSTD,
     EncodedBlock,
     decode_block,
     encode_block,
+    plain_codec,
     rice,
 )
+from pulsectl.codecs._bits import moves_planes
 from pulsectl.codecs.delta import decode_moves, encode_moves
 from pulsectl.diff import DiffOptions
 from pulsectl.errors import IntegrityError, UsageError
@@ -211,21 +214,24 @@ def _compose_block(
     positions = np.empty(0, dtype=np.int64)  # else: moves relative to the origin
     moves = np.empty(0, dtype=utype)
     for block in blocks:
-        if block.codec == CODEC_COPY:
+        codec, paired = plain_codec(block.codec)
+        if codec == CODEC_COPY:
             continue
-        if block.codec in (CODEC_STORE, CODEC_ZSTD):
+        if codec in (CODEC_STORE, CODEC_ZSTD):
             raw = decode_block(block.codec, block.payload, None, size, word).copy()
             positions, moves = positions[:0], moves[:0]
-        elif block.codec == CODEC_CONTEXT:
+        elif codec == CODEC_CONTEXT:
             if raw is None:
                 raise UsageError(
                     f"{name}: the chain has --level max blocks, which need the base to decode; "
                     "squash with --base CKPT"
                 )
             raw = decode_block(block.codec, block.payload, raw, size, word).copy()
-        elif block.codec in (CODEC_DELTA, CODEC_RICE):
-            decode = decode_moves if block.codec == CODEC_DELTA else rice.decode_moves
-            pos, mv = decode(block.payload, word, size // word)
+        elif codec in (CODEC_DELTA, CODEC_RICE):
+            if codec == CODEC_DELTA:
+                pos, mv = decode_moves(block.payload, word, size // word)
+            else:
+                pos, mv = rice.decode_moves(block.payload, word, size // word, paired)
             if raw is not None:
                 raw = decode_block(block.codec, block.payload, raw, size, word).copy()
             else:
@@ -240,9 +246,12 @@ def _compose_block(
             raise IntegrityError(f"{name}: item {item.label!r} has no base and no bytes")
         return EncodedBlock(CODEC_COPY, b"", 0)
     best = EncodedBlock(CODEC_DELTA, encode_moves(positions, moves, word, level), positions.size)
-    payload = rice.encode_moves(positions, moves, word, level)
+    values = moves_planes(moves, word, level, pair=True)
+    payload = rice.encode_moves(positions, moves, word, level, values=values)
     if len(payload) < len(best.payload):
-        best = EncodedBlock(CODEC_RICE, payload, positions.size)
+        best = EncodedBlock(
+            CODEC_RICE_PAIRED if values.paired else CODEC_RICE, payload, positions.size
+        )
     # Without the base bytes a dense block cannot be stored whole: its delta may be a little
     # larger than the block, within what the format allows; beyond that, the base is needed.
     if len(best.payload) > size + BLOCK_PAYLOAD_SLACK:

@@ -5,7 +5,7 @@ Three inputs, one set of figures (docs/STATS.md describes them and the JSON sche
 - ``pair_stats(OLD, NEW)`` compares the checkpoints word by word (numpy, chunked preads) and
   measures the patch ``pulsectl diff`` would write by writing it to a temporary file.
 - ``patch_stats(PATCH)`` reads the same figures from a patch alone: counts and sizes from the
-  trailer, word deltas decoded from the value planes of the delta blocks (codecs 3, 4 and 5
+  trailer, word deltas decoded from the value planes of the delta blocks (codecs 3 to 7
   store each changed word as ``new - old``, so the base is not needed). Changed words in blocks
   stored whole (dense blocks, tensors without a base) have no delta: counted as ``no_delta``.
 - ``chain_stats(C0..Cn, ks)`` gives the k-step table: for each k the density of
@@ -32,7 +32,16 @@ from pulsectl._io import default_workers, ordered_map
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cast import cast_temporaries, target_dtype
 from pulsectl.checkpoint import Checkpoint, TensorInfo
-from pulsectl.codecs import CODEC_CONTEXT, CODEC_DELTA, CODEC_RICE, context, delta, rice
+from pulsectl.codecs import (
+    CODEC_CONTEXT,
+    CODEC_DELTA,
+    CODEC_RICE,
+    DELTA_CODECS,
+    context,
+    delta,
+    plain_codec,
+    rice,
+)
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import CorruptPatchError, UsageError
@@ -458,7 +467,7 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
             hist = _empty_histogram()
             for b in range(nblocks):
                 block = reader.read_block(max_payload, f"tensor {item.label!r} block {b}")
-                if block.codec in _DELTA_CODECS and item.name is not None:
+                if block.codec in DELTA_CODECS and item.name is not None:
                     part = delta_payload_histogram(block.payload, item.word, block.codec)
                     hist = [a + c for a, c in zip(hist, part, strict=True)]
             histograms.append(hist)
@@ -505,15 +514,13 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
     return UpdateStats("patch", inputs, tensors, blobs, size, header.target_bytes)
 
 
-_DELTA_CODECS = (CODEC_DELTA, CODEC_CONTEXT, CODEC_RICE)  # blocks that store new - old
-
-
 def delta_payload_histogram(payload: bytes, word: int, codec: int = CODEC_DELTA) -> Histogram:
-    """Word-delta histogram of a codec 3, 4 or 5 payload, from its moves alone (no base)."""
+    """Word-delta histogram of a delta payload (codecs 3-7), from its moves alone (no base)."""
+    codec, paired = plain_codec(codec)
     if codec == CODEC_CONTEXT:
-        moved = context.decode_moves_only(payload, word)
+        moved = context.decode_moves_only(payload, word, paired)
     elif codec == CODEC_RICE:
-        _, moved = rice.decode_moves(payload, word, 1 << 62)
+        _, moved = rice.decode_moves(payload, word, 1 << 62, paired)
     else:
         _, moved = delta.decode_moves(payload, word, 1 << 62)
     utype = _UINT[word]

@@ -58,20 +58,32 @@ def write_small_pair(folder: Path, seed: int = 1234) -> tuple[Path, Path]:
     run = bf16_words(rng, 512)  # a contiguous run of moves: byte-planed gaps win (codec 3)
     run_new = run.copy()
     run_new[100:400] += 1
+    # Moves of one unit down or up pair up (value plane 0 paired: codecs 6 and 7); moves all
+    # +1 compress as well plain (codecs 4 and 5, the plain twins).
+    more = np.random.default_rng(seed + 1)
+    a_new = nudge(rng, big, 0.02)
+    a_new[2048:] = big[2048:] + (a_new[2048:] != big[2048:])  # second block: all +1 (codec 5)
+    ctx2 = bf16_words(more, 2048, 1.0)
+    ctx2_new = ctx2.copy()
+    small2 = np.flatnonzero(((ctx2 >> 7) & 0xFF) < np.quantile((ctx2 >> 7) & 0xFF, 0.25))
+    picks = more.choice(small2, small2.size // 2, replace=False)
+    ctx2_new[picks] += more.choice(np.array([1, 0xFFFF], dtype=np.uint16), picks.size)
     base = {
         "a.weight": ("BF16", [64, 64], big),
         "e.weight": ("BF16", [2048], ctx),
         "b.weight": ("BF16", [64], same),
         "d.mask": ("U8", [256], rng.integers(0, 256, 256, dtype=np.uint8)),
         "f.weight": ("BF16", [512], run),
+        "g.weight": ("BF16", [2048], ctx2),
     }
     new = {
-        "a.weight": ("BF16", [64, 64], nudge(rng, big, 0.02)),
+        "a.weight": ("BF16", [64, 64], a_new),
         "b.weight": ("BF16", [64], same),
         "c.bias": ("F32", [6], rng.normal(0, 1, 6).astype(np.float32)),  # new: store
         "d.mask": ("I8", [256], np.zeros(256, dtype=np.int8)),  # dtype changed: zstd
         "e.weight": ("BF16", [2048], ctx_new),
         "f.weight": ("BF16", [512], run_new),
+        "g.weight": ("BF16", [2048], ctx2_new),
     }
     base_path, new_path = folder / "base.safetensors", folder / "new.safetensors"
     save_safetensors(base_path, base, {"format": "pt"})

@@ -1,6 +1,6 @@
 """Every single-bit flip anywhere in a small patch is detected, and leaves no output behind.
 
-Exhaustive over one ~1.4 KB patch that uses all five block codecs: for each of its bits, apply
+Exhaustive over one ~1.8 KB patch that uses all eight block codecs: for each of its bits, apply
 (in-process, the library API) must fail with a PulseError, write nothing at OUT and leave no
 temp file. A flip that still produced the exact target would need a proof that it is harmless;
 there is none to prove: the file checksum covers every byte before it, and the footer's

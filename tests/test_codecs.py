@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 from pulsectl._dtypes import DTYPES
 from pulsectl.codecs import (
     CODEC_CONTEXT,
+    CODEC_CONTEXT_PAIRED,
     CODEC_COPY,
     CODEC_DELTA,
     CODEC_RICE,
+    CODEC_RICE_PAIRED,
     CODEC_STORE,
     CODEC_ZSTD,
+    DELTA_CODECS,
     EncodedBlock,
     context,
     decode_block,
@@ -83,14 +86,18 @@ def test_roundtrip_hypothesis(
 def test_context_codec_roundtrip(
     pair: tuple[np.ndarray, np.ndarray, int], data: st.DataObject
 ) -> None:
-    """Codec 4 on its own (encode_block picks it only when it is the smallest)."""
+    """Codecs 4 and 7 on their own (encode_block picks one only when it is the smallest)."""
     old, new, word = pair
     key = data.draw(st.sampled_from(KEYS_BY_WORD[word][1:]))
     positions = np.flatnonzero(old.view(UINT[word]) != new.view(UINT[word]))
     if positions.size == 0:
         return
-    payload = context.encode(old, new, word, positions, key, LEVEL)
-    got = decode_block(CODEC_CONTEXT, payload, old, new.size, word)
+    pair_up = data.draw(st.booleans())
+    payload, paired = context.encode(old, new, word, positions, key, LEVEL, pair_up)
+    assert paired <= pair_up
+    got = decode_block(
+        CODEC_CONTEXT_PAIRED if paired else CODEC_CONTEXT, payload, old, new.size, word
+    )
     assert got.tobytes() == new.tobytes()
 
 
@@ -127,7 +134,7 @@ def test_adversarial_blocks(word: int, nwords: int) -> None:
         if name == "identical":
             assert codec == CODEC_COPY
         elif name in ("single change", "only the end") and nwords >= 64:
-            assert codec in (CODEC_DELTA, CODEC_RICE), name
+            assert codec in (CODEC_DELTA, CODEC_RICE, CODEC_RICE_PAIRED), name
 
 
 @pytest.mark.parametrize(
@@ -185,12 +192,12 @@ def test_sparse_bf16_like_change_is_small() -> None:
     pos = rng.choice(old.size, old.size // 100, replace=False)
     new[pos] += np.where(rng.integers(0, 2, pos.size) == 1, 1, 0xFFFF).astype(np.uint16)
     enc = encode_block(old.view(np.uint8), new.view(np.uint8), 2, LEVEL)
-    assert enc.codec in (CODEC_DELTA, CODEC_RICE)
+    assert enc.codec == CODEC_RICE_PAIRED  # one-unit moves: value plane 0 pairs up
     assert len(enc.payload) < 0.05 * new.nbytes
     got = decode_block(enc.codec, enc.payload, old.view(np.uint8), new.nbytes, 2)
     assert got.tobytes() == new.tobytes()
     ctx = encode_block(old.view(np.uint8), new.view(np.uint8), 2, LEVEL, context.KEYS["BF16"])
-    assert ctx.codec in (CODEC_DELTA, CODEC_RICE, CODEC_CONTEXT)
+    assert ctx.codec in DELTA_CODECS
     assert len(ctx.payload) <= len(enc.payload)
     got = decode_block(ctx.codec, ctx.payload, old.view(np.uint8), new.nbytes, 2)
     assert got.tobytes() == new.tobytes()
@@ -255,7 +262,7 @@ def test_decode_rejects_damaged_context_payloads() -> None:
     new = old.copy()
     new.view(np.uint16)[::29] += 1
     positions = np.flatnonzero(old.view(np.uint16) != new.view(np.uint16))
-    payload = context.encode(old, new, 2, positions, context.KEYS["BF16"], LEVEL)
+    payload, _ = context.encode(old, new, 2, positions, context.KEYS["BF16"], LEVEL)
     for bad in (payload[:7], payload[:-1], payload + b"\0", b"\0\0\0\0" + payload[4:]):
         with pytest.raises(CorruptPatchError):
             decode_block(CODEC_CONTEXT, bad, old, old.size, 2)
@@ -294,4 +301,4 @@ def test_dense_random_change_keeps_the_change_list() -> None:
     old = rng.integers(0, 65536, 2 << 20, dtype=np.uint16)
     new = old.copy()
     new[rng.random(old.size) < 0.5] += np.uint16(1)
-    assert _roundtrip(old.view(np.uint8), new.view(np.uint8), 2) in (CODEC_RICE, CODEC_DELTA)
+    assert _roundtrip(old.view(np.uint8), new.view(np.uint8), 2) == CODEC_RICE_PAIRED

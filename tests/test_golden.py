@@ -50,6 +50,9 @@ LEGACY = [
     ("json19/single.pulse", "single_base.safetensors", "single_target.safetensors"),
     ("json19/single_max.pulse", "single_base.safetensors", "single_target.safetensors"),
     ("json19/dir.pulse", "dir_base", "dir_target"),
+    # written before codecs 6 and 7 (value plane 0 in pairs): codecs 5 and 4
+    ("plain-planes/single.pulse", "single_base.safetensors", "single_target.safetensors"),
+    ("plain-planes/single_max.pulse", "single_base.safetensors", "single_target.safetensors"),
 ]
 
 
@@ -116,18 +119,35 @@ def test_golden_contents():
     assert info.checked
 
 
-def test_golden_max_uses_the_context_codec():
-    from pulsectl.codecs import CODEC_CONTEXT
+def _codecs(name: str) -> set[int]:
     from pulsectl.format import PatchReader, blocks_in
     from pulsectl.patch import header_from_json
 
-    with open(GOLDEN / "single_max.pulse", "rb") as f:
-        reader = PatchReader(f, "single_max.pulse")
+    with open(GOLDEN / name, "rb") as f:
+        reader = PatchReader(f, name)
         header = header_from_json(reader.header, reader.name)
-        codecs = []
+        codecs = set()
         for index, item in enumerate(header.items):
             nblocks = blocks_in(item.nbytes, header.block_bytes)
             reader.read_frame(index, nblocks)
-            codecs += [reader.read_block(1 << 24, "x").codec for _ in range(nblocks)]
+            codecs |= {reader.read_block(1 << 24, "x").codec for _ in range(nblocks)}
         reader.read_trailer()
-    assert CODEC_CONTEXT in codecs
+    return codecs
+
+
+def test_golden_patches_pin_each_delta_codec():
+    """The current goldens hold codec 6 (default level) and 7 (`--level max`); the legacy ones
+    their plain twins, 5 and 4, and codec 3."""
+    from pulsectl.codecs import (
+        CODEC_CONTEXT,
+        CODEC_CONTEXT_PAIRED,
+        CODEC_DELTA,
+        CODEC_RICE,
+        CODEC_RICE_PAIRED,
+    )
+
+    assert CODEC_RICE_PAIRED in _codecs("single.pulse")
+    assert CODEC_CONTEXT_PAIRED in _codecs("single_max.pulse")
+    assert CODEC_RICE in _codecs("plain-planes/single.pulse")
+    assert CODEC_CONTEXT in _codecs("plain-planes/single_max.pulse")
+    assert CODEC_DELTA in _codecs("codec3/single.pulse")

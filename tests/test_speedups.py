@@ -103,8 +103,9 @@ def test_find_changes_and_encode_block_agree(pair: tuple[np.ndarray, np.ndarray,
         restored = both(lambda a=a: decode_block(a.codec, a.payload, old, new.size, word))
         assert all(r.tobytes() == new.tobytes() for r in restored)
     if fast.size:
-        planes = both(lambda: change_planes(old, new, fast, word, 3))
-        assert planes[0] == planes[1]
+        for pair in (False, True):
+            planes = both(lambda pair=pair: change_planes(old, new, fast, word, 3, pair=pair))
+            assert planes[0] == planes[1]
 
 
 def simd_modes() -> Iterator[str]:
@@ -440,8 +441,7 @@ def test_moves_unpack_and_scatter_agree(word: int):
     moves = rng.integers(0, 2 ** min(8 * word, 63), at.size, dtype=np.uint64).astype(utype)
     moves[:4] = np.array([1, -1 & (2 ** (8 * word) - 1), 2 ** (8 * word - 1), 0x7F], dtype=utype)
     words[at] += moves
-    planes = change_planes(old, new, at, word, 3)
-    table = b"".join(len(p).to_bytes(4, "little") for p in planes) + b"".join(planes)
+    table = change_planes(old, new, at, word, 3).joined()
     fast, slow = both(lambda: unpack_moves(memoryview(table), 0, at.size, word))
     assert fast.dtype == slow.dtype == utype
     assert np.array_equal(fast, slow)
@@ -557,8 +557,8 @@ def test_context_payloads_agree(pair: tuple[np.ndarray, np.ndarray, int], few_ke
     key = CONTEXT_KEYS[word]
     slow = context._encode_numpy(old, new, word, positions, key, 9)
     for loops in simd_modes():  # runs of 16 codes or more are written 16 at a time on AVX-512
-        fast = context.encode(old, new, word, positions, key, 9)
-        assert fast == slow, loops
+        fast, _ = context.encode(old, new, word, positions, key, 9)
+        assert (fast, False) == slow, loops
     patched = old.copy()
     assert context.add_in_place(patched, fast, word)
     with pure_numpy():
@@ -594,15 +594,16 @@ def test_context_codec_on_every_width_and_density(word: int, fraction: float):
     new.view(utype)[at] += moves
     positions = find_changes(old, new, word)
     key = CONTEXT_KEYS[word]
-    slow = context._encode_numpy(old, new, word, positions, key, 3)
+    slow = context._encode_numpy(old, new, word, positions, key, 3, pair=True)
     for loops in simd_modes():
-        fast = context.encode(old, new, word, positions, key, 3)
-        assert fast == slow, loops
-    for restored in both(lambda: context.decode(old, fast, word)):
+        fast, paired = context.encode(old, new, word, positions, key, 3, pair=True)
+        assert (fast, paired) == slow, loops
+    assert paired  # most moves are one unit: value plane 0 pairs up (codec 7)
+    for restored in both(lambda: context.decode(old, fast, word, paired)):
         assert restored.tobytes() == new.tobytes()
     for loops in simd_modes():  # BF16's dense walk has a version for AVX-512 machines
         patched = old.copy()
-        assert context.add_in_place(patched, fast, word)
+        assert context.add_in_place(patched, fast, word, paired)
         assert patched.tobytes() == new.tobytes(), loops
 
 
@@ -630,7 +631,7 @@ def test_context_scatter_refuses_damaged_streams():
     old = rng.integers(0, 256, 2 * 4000, dtype=np.uint8)
     new = old.copy()
     new.view(np.uint16)[rng.random(4000) < 0.1] += np.uint16(1)
-    payload = context.encode(old, new, 2, find_changes(old, new, 2), CONTEXT_KEYS[2], 3)
+    payload, _ = context.encode(old, new, 2, find_changes(old, new, 2), CONTEXT_KEYS[2], 3)
     view, count, shift, bits, keys, ks, counts, unary, remainder, _ = context._parse(
         payload, 2, 4000
     )
@@ -686,7 +687,7 @@ def _damaged_context_block(
     at = np.flatnonzero(rng.random(nwords) < fraction)
     new[at] += np.where(rng.random(at.size) < 0.5, 1, -1).astype(np.int16).view(np.uint16)
     old8, new8 = old.view(np.uint8), new.view(np.uint8)
-    payload = context.encode(old8, new8, 2, find_changes(old8, new8, 2), CONTEXT_KEYS[2], 3)
+    payload, _ = context.encode(old8, new8, 2, find_changes(old8, new8, 2), CONTEXT_KEYS[2], 3)
     # The payload: header, u32-sized context table, u32-sized unary stream, the rest.
     (table_size,) = struct.unpack_from("<I", payload, context._HEAD.size)
     head = context._HEAD.size + 4 + table_size + 4  # the unary stream's offset

@@ -21,6 +21,8 @@ CODEC_ZSTD = 2  # the new bytes, one zstd frame
 CODEC_DELTA = 3  # changed positions and word differences (pulsectl.codecs.delta)
 CODEC_CONTEXT = 4  # the same, positions grouped by the base word's exponent (codecs.context)
 CODEC_RICE = 5  # codec 3 with Rice-coded gaps (codecs.rice)
+CODEC_RICE_PAIRED = 6  # codec 5 with value plane 0 in pairs (codecs._bits.paired_plane)
+CODEC_CONTEXT_PAIRED = 7  # codec 4 likewise
 
 CODEC_NAMES = {
     CODEC_COPY: "copy",
@@ -29,7 +31,20 @@ CODEC_NAMES = {
     CODEC_DELTA: "delta",
     CODEC_CONTEXT: "context",
     CODEC_RICE: "rice",
+    CODEC_RICE_PAIRED: "rice-paired",
+    CODEC_CONTEXT_PAIRED: "context-paired",
 }
+
+# The delta codecs: each stores the changed words' moves (new - old); the paired ones store value
+# plane 0 in pairs, otherwise as their plain twin.
+DELTA_CODECS = (CODEC_DELTA, CODEC_CONTEXT, CODEC_RICE, CODEC_RICE_PAIRED, CODEC_CONTEXT_PAIRED)
+_PLAIN_OF = {CODEC_RICE_PAIRED: CODEC_RICE, CODEC_CONTEXT_PAIRED: CODEC_CONTEXT}
+
+
+def plain_codec(codec: int) -> tuple[int, bool]:
+    """A codec id as (its plain twin's id, whether plane 0 is paired): (5, True) for 6."""
+    return _PLAIN_OF.get(codec, codec), codec in _PLAIN_OF
+
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -77,8 +92,9 @@ def encode_block(
     context_block = None
     fits = None  # whether one Rice parameter codes the gaps well (codec 3 is tried if not)
     if key is not None:
-        payload = context.encode(old, new, word, positions, key, level)
-        context_block = EncodedBlock(CODEC_CONTEXT, payload, positions.size)
+        payload, paired = context.encode(old, new, word, positions, key, level, pair=True)
+        codec = CODEC_CONTEXT_PAIRED if paired else CODEC_CONTEXT
+        context_block = EncodedBlock(codec, payload, positions.size)
         # Codec 4 stores the moves of codec 5 in another order, with planes compressed alike.
         # When its positions take no more bytes than codec 5's gaps would (nearly always: a
         # word's exponent tells how likely it is to change), codec 5 would only lose: it is
@@ -92,15 +108,17 @@ def encode_block(
         streams = rice.rice_streams(positions)
         if fits is None:
             fits = _rice_fits(positions, streams[0])
-        values = change_planes(old, new, positions, word, probe, raw_planes)  # codecs 3 and 5
+        values = change_planes(old, new, positions, word, probe, raw_planes, pair=True)
         best = EncodedBlock(
-            CODEC_RICE,
+            CODEC_RICE_PAIRED if values.paired else CODEC_RICE,
             rice.encode_moves(positions, None, word, probe, values=values, streams=streams),
             positions.size,
         )
         if not fits:
             # Gaps far from geometric (runs, rows, strides): codec 3's zstd planes can find them.
-            payload = delta.encode_moves(positions, None, word, probe, values=values)
+            if values.paired:  # codec 3 has no paired form
+                values = change_planes(old, new, positions, word, probe, raw_planes)
+            payload = delta.encode_moves(positions, None, word, probe, values=values.packed)
             if len(payload) < len(best.payload):
                 best = EncodedBlock(CODEC_DELTA, payload, positions.size)
         if context_block is not None and len(context_block.payload) < len(best.payload):
@@ -201,28 +219,30 @@ def _smallest_raw(new: np.ndarray, level: int, changed: int) -> EncodedBlock:
 def decode_moves(
     codec: int, payload: bytes, old: np.ndarray, word: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """For a delta block (codecs 3, 4, 5): its changed word positions and their moves
+    """For a delta block (codecs 3-7): its changed word positions and their moves
     (``new - old``, unsigned), so the caller can scatter them itself (e.g. on a GPU).
     None for the other codecs."""
     nwords = old.size // word
+    codec, paired = plain_codec(codec)
     if codec == CODEC_DELTA:
         return delta.decode_moves(payload, word, nwords)
     if codec == CODEC_RICE:
-        return rice.decode_moves(payload, word, nwords)
+        return rice.decode_moves(payload, word, nwords, paired)
     if codec == CODEC_CONTEXT:
-        return context.decode_moves(old, payload, word)
+        return context.decode_moves(old, payload, word, paired)
     return None
 
 
 def patch_in_place(codec: int, payload: bytes, old: np.ndarray, word: int) -> bool:
     """Apply a delta block to ``old`` (uint8, writable) in place where a compiled loop does it
-    in one pass (codec 5, the default level's, and codec 4, ``--level max``'s); False, ``old``
-    untouched, otherwise: then use ``decode_moves`` or ``decode_block``. On a damaged payload
-    ``old`` may be partly patched."""
+    in one pass (codecs 5 and 6, the default level's, and 4 and 7, ``--level max``'s); False,
+    ``old`` untouched, otherwise: then use ``decode_moves`` or ``decode_block``. On a damaged
+    payload ``old`` may be partly patched."""
+    codec, paired = plain_codec(codec)
     if codec == CODEC_RICE:
-        return rice.add_in_place(old, payload, word)
+        return rice.add_in_place(old, payload, word, paired)
     if codec == CODEC_CONTEXT:
-        return context.add_in_place(old, payload, word)
+        return context.add_in_place(old, payload, word, paired)
     return False
 
 
@@ -242,16 +262,13 @@ def decode_block(
         return np.frombuffer(payload, dtype=np.uint8)
     if codec == CODEC_ZSTD:
         return raw.decompress(payload, nbytes)
-    if codec == CODEC_DELTA:
-        if old is None:
-            raise CorruptPatchError("delta block for an item that has no base")
+    if codec not in DELTA_CODECS:
+        raise CorruptPatchError(f"unknown block codec {codec}")
+    if old is None:
+        raise CorruptPatchError(f"{CODEC_NAMES[codec]} block for an item that has no base")
+    plain, paired = plain_codec(codec)
+    if plain == CODEC_DELTA:
         return delta.decode(old, payload, word)
-    if codec == CODEC_RICE:
-        if old is None:
-            raise CorruptPatchError("rice block for an item that has no base")
-        return rice.decode(old, payload, word)
-    if codec == CODEC_CONTEXT:
-        if old is None:
-            raise CorruptPatchError("context block for an item that has no base")
-        return context.decode(old, payload, word)
-    raise CorruptPatchError(f"unknown block codec {codec}")
+    if plain == CODEC_RICE:
+        return rice.decode(old, payload, word, paired)
+    return context.decode(old, payload, word, paired)

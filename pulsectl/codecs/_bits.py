@@ -1,10 +1,12 @@
-"""Bit-level pieces shared by the Rice-coded codecs (4 and 5): unary and fixed-width bit
-streams, the Rice parameter, length-prefixed sections and the zigzag value planes."""
+"""Bit-level pieces shared by the Rice-coded codecs (4-7): unary and fixed-width bit streams,
+the Rice parameter, length-prefixed sections and the zigzag value planes, plain or with plane 0
+paired (codecs 6 and 7)."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -151,16 +153,47 @@ def pack_moves(moved: np.ndarray, word: int, level: int) -> bytes:
     return join_planes(value_planes(moved, word, level))
 
 
-def value_planes(moved: np.ndarray, word: int, level: int) -> list[bytes]:
-    """The compressed zigzag byte planes of the moves (b"" for an all-zero plane); codecs 3, 4
-    and 5 store the same planes, so an encoder trying several computes them once."""
+def raw_planes(moved: np.ndarray, word: int) -> list[np.ndarray]:
+    """The zigzag byte planes of the moves before compression, plane 0 first."""
     utype, stype = _UINT[word], _SINT[word]
     signed = moved.astype(utype, copy=False).view(stype)
     zigzag = ((signed << 1) ^ (signed >> (8 * word - 1))).view(utype).astype(f"<u{word}")
-    planes = [
+    return [
         np.ascontiguousarray(zigzag.view(np.uint8).reshape(-1, word)[:, p]) for p in range(word)
     ]
-    return [b"" if not plane.any() else _zstd.compress_plane(plane, level) for plane in planes]
+
+
+def value_planes(moved: np.ndarray, word: int, level: int) -> list[bytes]:
+    """The compressed zigzag byte planes of the moves (b"" for an all-zero plane), all plain:
+    codec 3's planes."""
+    return [compress_plane(memoryview(plane), level) for plane in raw_planes(moved, word)]
+
+
+@dataclass(frozen=True)
+class Planes:
+    """A block's value planes, compressed: ``packed[p]`` is plane p (b"" when all zero), plane
+    0 in the paired form when ``paired`` (codecs 6 and 7), else all plain (codecs 3, 4, 5)."""
+
+    packed: list[bytes]
+    paired: bool
+
+    def joined(self) -> bytes:
+        return join_planes(self.packed)
+
+
+def compress_planes(raw: Sequence[Buffer], level: int, pair: bool) -> Planes:
+    """``raw`` (plane 0 first) compressed, plane 0 paired when ``pair`` and pairing pays."""
+    packed0 = paired_plane(memoryview(raw[0]), level) if pair else None
+    paired = packed0 is not None
+    if packed0 is None:
+        packed0 = compress_plane(memoryview(raw[0]), level)
+    return Planes([packed0] + [compress_plane(memoryview(p), level) for p in raw[1:]], paired)
+
+
+def moves_planes(moved: np.ndarray, word: int, level: int, pair: bool) -> Planes:
+    """The value planes of the moves (``new - old``, unsigned), plane 0 paired when ``pair``
+    and pairing pays."""
+    return compress_planes(raw_planes(moved, word), level, pair)
 
 
 def change_planes(
@@ -170,25 +203,115 @@ def change_planes(
     word: int,
     level: int,
     raw: Sequence[Buffer] | None = None,
-) -> list[bytes]:
-    """``value_planes`` of the moves of the words at ``positions`` from ``old`` to ``new``;
-    ``raw``, when given, holds those planes uncompressed, plane 0 first (as
-    ``_speedups.changes_into`` lists them)."""
+    *,
+    pair: bool = False,
+) -> Planes:
+    """The value planes of the moves of the words at ``positions`` from ``old`` to ``new``,
+    plane 0 paired when ``pair`` and pairing pays; ``raw``, when given, holds those planes
+    uncompressed, plane 0 first (as ``_speedups.changes_into`` lists them)."""
     fast = _fast.native
     if raw is None:
         if fast is None or not (old.flags.c_contiguous and new.flags.c_contiguous):
             utype = _UINT[word]
             moved = new.view(utype)[positions] - old.view(utype)[positions]
-            return value_planes(moved, word, level)
+            return moves_planes(moved, word, level, pair)
         joined = fast.zigzag_planes(old, new, positions.astype(np.int64, copy=False), word)
         count = positions.size
         raw = [memoryview(joined)[p * count : (p + 1) * count] for p in range(word)]
-    return [compress_plane(memoryview(plane), level) for plane in raw]
+    return compress_planes(raw, level, pair)
 
 
 def compress_plane(plane: memoryview, level: int) -> bytes:
     """b"" for an all-zero plane, else one zstd frame."""
     return _zstd.compress_plane(plane, level) if np.frombuffer(plane, np.uint8).any() else b""
+
+
+# Plane 0 in pairs (codecs 6 and 7): bytes a, b become one symbol PAIR_SMALL * a + b when both
+# are below PAIR_SMALL, else PAIR_ESCAPE, with a and b in an escape stream. Most moves of an
+# Adam step are one unit down or up (zigzag 1 and 2): zstd's Huffman code spends whole bits per
+# byte on them, and per pair of them comes close to their entropy (measured with
+# benchmarks/planes.py: 0.023-0.048 bytes per change less on the nine benchmark pairs).
+PAIR_SMALL = 15
+PAIR_ESCAPE = PAIR_SMALL * PAIR_SMALL
+# Below this many changes, plane 0 is also compressed plain and the smaller form is kept (the
+# paired form spends a length and, with escapes, a second frame); above it pairing wins unless
+# most pairs escape.
+_PAIR_BOTH_BELOW = 4096
+
+
+def pair_plane(plane: Buffer) -> tuple[bytes, bytes]:
+    """The symbols and the escape bytes of a plane in the paired form."""
+    fast = _fast.native
+    if fast is not None:
+        return fast.pair_plane(plane)
+    low = np.frombuffer(plane, dtype=np.uint8)
+    padded = np.concatenate([low, np.zeros(low.size % 2, dtype=np.uint8)]).astype(np.int32)
+    a, b = padded[0::2], padded[1::2]
+    small = (a < PAIR_SMALL) & (b < PAIR_SMALL)
+    symbols = np.where(small, PAIR_SMALL * a + b, PAIR_ESCAPE).astype(np.uint8)
+    escapes = np.stack([a[~small], b[~small]], axis=1).astype(np.uint8)
+    return symbols.tobytes(), escapes.tobytes()
+
+
+def unpair_plane(symbols: Buffer, escapes: Buffer, count: int) -> bytes:
+    """The ``count`` bytes of a plane from its paired form; CorruptPatchError if the two
+    streams do not fit together."""
+    fast = _fast.native
+    if fast is not None:
+        return fast.unpair_plane(symbols, escapes, count)
+    sym = np.frombuffer(symbols, dtype=np.uint8)
+    esc = np.frombuffer(escapes, dtype=np.uint8)
+    if sym.size != (count + 1) // 2:
+        raise CorruptPatchError("paired plane has the wrong number of symbols")
+    escaped = np.flatnonzero(sym == PAIR_ESCAPE)
+    if np.any(sym > PAIR_ESCAPE) or esc.size != 2 * escaped.size:
+        raise CorruptPatchError("paired plane is damaged")
+    out = np.empty(2 * sym.size, dtype=np.uint8)
+    out[0::2] = sym // PAIR_SMALL
+    out[1::2] = sym % PAIR_SMALL
+    out[2 * escaped] = esc[0::2]
+    out[2 * escaped + 1] = esc[1::2]
+    if count % 2 and out[count]:
+        raise CorruptPatchError("paired plane is damaged")
+    return out[:count].tobytes()
+
+
+def paired_plane(plane: memoryview, level: int) -> bytes | None:
+    """Plane 0 in the paired form (``u32 symbols_bytes``, the symbols as one zstd frame, then
+    the escapes as one zstd frame, or nothing when no pair escaped); None when the plain form
+    is as small or smaller, or the plane is all zero."""
+    count = len(plane)
+    if not np.frombuffer(plane, np.uint8).any():
+        return None
+    symbols, escapes = pair_plane(plane)
+    if len(escapes) > count // 2:  # most pairs escape: the plain form is smaller
+        return None
+    packed_symbols = _zstd.compress_plane(symbols, level)
+    packed = b"".join(
+        [
+            struct.pack("<I", len(packed_symbols)),
+            packed_symbols,
+            _zstd.compress_plane(escapes, level) if escapes else b"",
+        ]
+    )
+    if count < _PAIR_BOTH_BELOW and len(compress_plane(plane, level)) <= len(packed):
+        return None
+    return packed
+
+
+def unpack_paired_plane(data: memoryview, count: int) -> bytes:
+    """The ``count`` bytes of plane 0 from its paired form (``paired_plane``)."""
+    symbols, offset = take_sized(data, 0)
+    nsymbols = (count + 1) // 2
+    plane_symbols = _zstd.decompress(symbols, nsymbols)
+    # The escape frame says how many bytes it holds (at most two per symbol); unpair_plane
+    # checks that they are exactly those of the escape symbols.
+    escapes = b""
+    if offset < len(data):
+        escapes = _zstd.decompress(data[offset:], 2 * nsymbols, at_most=True)
+        if not escapes:  # no escape is written as no frame
+            raise CorruptPatchError("paired plane has an empty escape frame")
+    return unpair_plane(plane_symbols, escapes, count)
 
 
 def given_moves(moved: np.ndarray | None) -> np.ndarray:
@@ -218,10 +341,11 @@ def order0_bits(gaps: np.ndarray) -> float:
 
 
 def value_plane_bytes(
-    view: memoryview, offset: int, count: int, word: int
+    view: memoryview, offset: int, count: int, word: int, paired: bool = False
 ) -> tuple[bytes | None, ...]:
     """The value planes at ``offset`` (the rest of the payload), decompressed: ``count`` zigzag
-    bytes each, plane 0 first, None for a plane that is all zeros."""
+    bytes each, plane 0 first, None for a plane that is all zeros; plane 0 is in the paired
+    form when ``paired`` (codecs 6 and 7)."""
     if len(view) < offset + 4 * word:
         raise CorruptPatchError("block is shorter than its value table")
     plane_sizes = struct.unpack_from(f"<{word}I", view, offset)
@@ -229,15 +353,23 @@ def value_plane_bytes(
     if offset + sum(plane_sizes) != len(view):
         raise CorruptPatchError("block value planes do not add up to its length")
     planes: list[bytes | None] = []
-    for size in plane_sizes:
-        planes.append(_zstd.decompress(view[offset : offset + size], count) if size else None)
+    for p, size in enumerate(plane_sizes):
+        data = view[offset : offset + size]
+        if not size:
+            planes.append(None)
+        elif p == 0 and paired:
+            planes.append(unpack_paired_plane(data, count))
+        else:
+            planes.append(_zstd.decompress(data, count))
         offset += size
     return tuple(planes)
 
 
-def unpack_moves(view: memoryview, offset: int, count: int, word: int) -> np.ndarray:
+def unpack_moves(
+    view: memoryview, offset: int, count: int, word: int, paired: bool = False
+) -> np.ndarray:
     """The value planes at ``offset`` (the rest of the payload) as unsigned moves."""
-    planes = value_plane_bytes(view, offset, count, word)
+    planes = value_plane_bytes(view, offset, count, word, paired)
     utype, stype = _UINT[word], _SINT[word]
     fast = _fast.native
     if fast is not None:

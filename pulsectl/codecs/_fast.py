@@ -5,7 +5,8 @@ bytes of the numpy code it replaces (the tests run both and compare). ``PULSECTL
 turns it off, e.g. to rule it out when chasing a bug.
 
 On x86-64 CPUs with AVX-512 (with VBMI and VBMI2) a few loops run in an AVX-512 version, chosen at
-import (finding changes, Rice coding and decoding, the context codec's dense walks);
+import (finding changes, Rice coding and decoding, the context codec's dense walks, pairing value
+planes);
 ``PULSECTL_NO_AVX512=1`` keeps the portable loops (same bytes; the tests run both).
 """
 

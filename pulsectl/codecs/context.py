@@ -1,4 +1,5 @@
-"""The context delta codec (codec id 4), used by ``--level max``.
+"""The context delta codec (codec id 4, and 7 with value plane 0 paired), used by
+``--level max``.
 
 The receiver holds the base, so anything computed from it is free. A word's chance of changing
 depends mostly on its exponent: an Adam step is about the same size everywhere, while the BF16
@@ -17,7 +18,7 @@ Payload layout (little-endian), mirrored in docs/FORMAT.md:
   u16 contexts, u16 reserved (0), u32 table_bytes, the context table as one zstd frame of
   contexts x 7 bytes: all u16 keys (ascending), then all u8 rice_k, then all u32 changes,
   u32 unary_bytes, unary stream, u32 remainder_bytes, remainder stream,
-  word x u32 value plane sizes, value planes.
+  word x u32 value plane sizes, value planes (plane 0 paired in codec 7: ``_bits.paired_plane``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ from pulsectl.codecs._bits import (
     MAX_RICE_K,
     add_moves,
     best_rice,
-    compress_plane,
-    join_planes,
+    compress_planes,
+    moves_planes,
     pack_bits,
-    pack_moves,
     pack_unary,
     take_sized,
     unpack_bits,
@@ -84,8 +84,10 @@ def encode(
     positions: np.ndarray,
     key: tuple[int, int],
     level: int,
-) -> bytes:
-    """Payload for the changed words at ``positions`` (sorted, non-empty)."""
+    pair: bool = False,
+) -> tuple[bytes, bool]:
+    """Payload for the changed words at ``positions`` (sorted, non-empty), and whether its value
+    plane 0 is paired (codec 7; only when ``pair`` and pairing pays), else codec 4's."""
     fast = _fast.native if old.flags.c_contiguous and new.flags.c_contiguous else None
     if fast is not None:
         raw_table, unary, remainder, raw_planes = fast.context_encode(
@@ -93,9 +95,11 @@ def encode(
         )
         count = positions.size
         planes = [memoryview(raw_planes)[p * count : (p + 1) * count] for p in range(word)]
-        values = join_planes([compress_plane(plane, min(level, PLANE_LEVEL)) for plane in planes])
-        return _payload(count, word, key, raw_table, unary, remainder, values, level)
-    return _encode_numpy(old, new, word, positions, key, level)
+        values = compress_planes(planes, min(level, PLANE_LEVEL), pair)
+        return _payload(count, word, key, raw_table, unary, remainder, values.joined(), level), (
+            values.paired
+        )
+    return _encode_numpy(old, new, word, positions, key, level, pair)
 
 
 def _payload(
@@ -131,7 +135,8 @@ def _encode_numpy(
     positions: np.ndarray,
     key: tuple[int, int],
     level: int,
-) -> bytes:
+    pair: bool = False,
+) -> tuple[bytes, bool]:
     """``encode`` without the compiled loops (the reference its C path is tested against)."""
     fast = _fast.native if old.flags.c_contiguous else None
     found = None  # each change's rank, in position order, when the compiled loop finds them
@@ -168,8 +173,11 @@ def _encode_numpy(
     remainder = pack_bits(gaps & ((1 << per_change_k) - 1), per_change_k)
     utype = _UINT[word]
     moved = new.view(utype)[positions] - old.view(utype)[positions]
-    values = pack_moves(moved, word, min(level, PLANE_LEVEL))
-    return _payload(positions.size, word, key, raw_table, unary, remainder, values, level)
+    values = moves_planes(moved, word, min(level, PLANE_LEVEL), pair)
+    payload = _payload(
+        positions.size, word, key, raw_table, unary, remainder, values.joined(), level
+    )
+    return payload, values.paired
 
 
 def position_bytes(payload: bytes) -> int:
@@ -181,16 +189,17 @@ def position_bytes(payload: bytes) -> int:
     return offset
 
 
-def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
-    """Rebuild the new block (uint8) from the base block and a context-delta payload."""
+def decode(old: np.ndarray, payload: bytes, word: int, paired: bool = False) -> np.ndarray:
+    """Rebuild the new block (uint8) from the base block and a context-delta payload (codec
+    7's when ``paired``)."""
     out = old.copy()
-    if not add_in_place(out, payload, word):
-        positions, moved = decode_moves(old, payload, word)
+    if not add_in_place(out, payload, word, paired):
+        positions, moved = decode_moves(old, payload, word, paired)
         add_moves(out, positions, moved, word)
     return out
 
 
-def add_in_place(block: np.ndarray, payload: bytes, word: int) -> bool:
+def add_in_place(block: np.ndarray, payload: bytes, word: int, paired: bool = False) -> bool:
     """Apply a context payload to ``block`` (uint8, writable: the base block) in place with the
     compiled loop, which finds each change's position and adds its move in one pass over the
     block. False, ``block`` untouched, where that loop is not available: use ``decode_moves``.
@@ -201,7 +210,7 @@ def add_in_place(block: np.ndarray, payload: bytes, word: int) -> bool:
     view, count, shift, bits, present, ks, counts, unary, remainder, offset = _parse(
         payload, word, block.size // word
     )
-    planes = value_plane_bytes(view, offset, count, word)
+    planes = value_plane_bytes(view, offset, count, word, paired)
     fast.context_scatter(block, word, shift, bits, present, ks, counts, unary, remainder, planes)
     return True
 
@@ -239,8 +248,11 @@ def _parse(
     return view, count, shift, bits, present, ks, counts, unary, remainder, offset
 
 
-def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray, np.ndarray]:
-    """The positions (found with the base's keys) and moves of a context-delta payload."""
+def decode_moves(
+    old: np.ndarray, payload: bytes, word: int, paired: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (found with the base's keys) and moves of a context-delta payload (codec
+    7's when ``paired``)."""
     nwords = old.size // word
     view, count, shift, bits, present, ks, counts, unary, remainder, offset = _parse(
         payload, word, nwords
@@ -262,17 +274,17 @@ def decode_moves(old: np.ndarray, payload: bytes, word: int) -> tuple[np.ndarray
     if fast is not None and old.flags.c_contiguous:
         keyed = np.repeat(present, counts)
         found = fast.context_positions(old, word, shift, bits, keyed, ranks)
-        return np.frombuffer(found, dtype=np.int64), unpack_moves(view, offset, count, word)
+        return np.frombuffer(found, dtype=np.int64), unpack_moves(view, offset, count, word, paired)
     keys = keys_of(old, word, (shift, bits))
     perm, starts, sizes = _group(keys, bits)
     last = first + counts - 1
     if np.any(ranks[last] >= sizes[present]):
         raise CorruptPatchError("context block points past the end of a context")
     positions = perm[np.repeat(starts[present], counts) + ranks]
-    return positions, unpack_moves(view, offset, count, word)
+    return positions, unpack_moves(view, offset, count, word, paired)
 
 
-def decode_moves_only(payload: bytes, word: int) -> np.ndarray:
+def decode_moves_only(payload: bytes, word: int, paired: bool = False) -> np.ndarray:
     """The moves (``new - old``, unsigned) of a context payload, without the base.
 
     Their positions need the base words; the moves alone give statistics (``stats PATCH``).
@@ -286,7 +298,7 @@ def decode_moves_only(payload: bytes, word: int) -> np.ndarray:
     offset = _HEAD.size
     for _ in range(3):  # the context table, the unary and the remainder streams
         _, offset = take_sized(view, offset)
-    return unpack_moves(view, offset, count, word)
+    return unpack_moves(view, offset, count, word, paired)
 
 
 def _group(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

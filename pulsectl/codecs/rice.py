@@ -1,14 +1,16 @@
-"""The Rice delta codec (codec id 5): codec 3's changes with the gaps Rice-coded.
+"""The Rice delta codec (codec id 5, and 6 with value plane 0 paired): codec 3's changes with
+the gaps Rice-coded.
 
 Changed words of an Adam step are scattered about evenly, so their gaps are close to
 geometric. One Rice parameter fits such gaps within a few hundredths of a bit of their entropy,
 where byte planes pay for their mostly-zero high planes (zstd's Huffman stage spends at least
-a bit per byte). The values are codec 3's zigzag planes.
+a bit per byte). The values are codec 3's zigzag planes; codec 6 stores plane 0 in pairs
+(``_bits.paired_plane``), its only difference.
 
 Payload layout (little-endian), mirrored in docs/FORMAT.md:
   u32 count, u8 word, u8 rice_k (0..31), u16 reserved (0),
   u32 unary_bytes, unary stream, u32 remainder_bytes, remainder stream,
-  word x u32 value plane sizes, value planes.
+  word x u32 value plane sizes, value planes (plane 0 paired in codec 6).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from pulsectl.codecs import _fast
 from pulsectl.codecs._bits import (
     MAX_RICE_K,
+    Planes,
     add_moves,
     best_rice,
     given_moves,
@@ -46,13 +49,14 @@ def encode_moves(
     *,
     gaps: np.ndarray | None = None,
     k: int | None = None,
-    values: list[bytes] | None = None,
+    values: Planes | None = None,
     streams: tuple[int, bytes, bytes] | None = None,
 ) -> bytes:
-    """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``.
+    """Payload for words at ``positions`` (sorted, non-empty) that moved by ``moved``: codec 6's
+    when ``values.paired``, else codec 5's (always, without ``values``).
 
-    ``gaps``, ``k``, ``values`` (from ``_bits.value_planes``) and ``streams`` (from
-    ``rice_streams``) may be given when the caller has them already."""
+    ``gaps``, ``k``, ``values`` (from ``_bits.change_planes`` or ``moves_planes``) and
+    ``streams`` (from ``rice_streams``) may be given when the caller has them already."""
     if streams is None:
         streams = rice_streams(positions, gaps=gaps, k=k)
     k, unary, remainder = streams
@@ -63,9 +67,9 @@ def encode_moves(
             unary,
             struct.pack("<I", len(remainder)),
             remainder,
-            join_planes(
-                values if values is not None else value_planes(given_moves(moved), word, level)
-            ),
+            values.joined()
+            if values is not None
+            else join_planes(value_planes(given_moves(moved), word, level)),
         ]
     )
 
@@ -113,7 +117,7 @@ def _streams(
     return view, count, k, unary, remainder, offset
 
 
-def add_in_place(block: np.ndarray, payload: bytes, word: int) -> bool:
+def add_in_place(block: np.ndarray, payload: bytes, word: int, paired: bool = False) -> bool:
     """Apply a Rice delta payload to ``block`` (uint8, writable) in place with the compiled
     loop, which never holds the positions and moves as arrays (on a 34%-dense 1 GB pair these
     passes were half of apply's CPU time). False, ``block`` untouched, where that loop is not
@@ -122,18 +126,21 @@ def add_in_place(block: np.ndarray, payload: bytes, word: int) -> bool:
     if fast is None or not block.flags.c_contiguous or not block.flags.writeable:
         return False
     view, count, k, unary, remainder, offset = _streams(payload, word, block.size // word)
-    planes = value_plane_bytes(view, offset, count, word)
+    planes = value_plane_bytes(view, offset, count, word, paired)
     fast.rice_scatter(block, unary, remainder, count, k, planes, word)
     return True
 
 
-def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np.ndarray]:
-    """The positions (int64) and moves (unsigned) of a Rice delta payload (no base needed)."""
+def decode_moves(
+    payload: bytes, word: int, nwords: int, paired: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (int64) and moves (unsigned) of a Rice delta payload (no base needed);
+    ``paired`` for codec 6."""
     view, count, k, unary, remainder, offset = _streams(payload, word, nwords)
     fast = _fast.native
     if fast is not None:
         positions = np.frombuffer(fast.rice_decode(unary, remainder, count, k, nwords), np.int64)
-        return positions, unpack_moves(view, offset, count, word)
+        return positions, unpack_moves(view, offset, count, word, paired)
     # Quotients are at most the gaps, which add up to less than nwords: read no further.
     ends = unary_ends(unary[: (count + nwords + 7) // 8], count)
     rems = unpack_fixed(remainder, count, k)
@@ -146,13 +153,14 @@ def decode_moves(payload: bytes, word: int, nwords: int) -> tuple[np.ndarray, np
         positions = ((ends - index) << k) + np.cumsum(rems) + index
     if positions[-1] >= nwords:
         raise CorruptPatchError("rice block points past the end of its block")
-    return positions, unpack_moves(view, offset, count, word)
+    return positions, unpack_moves(view, offset, count, word, paired)
 
 
-def decode(old: np.ndarray, payload: bytes, word: int) -> np.ndarray:
-    """Rebuild the new block (uint8) from the base block and a Rice delta payload."""
+def decode(old: np.ndarray, payload: bytes, word: int, paired: bool = False) -> np.ndarray:
+    """Rebuild the new block (uint8) from the base block and a Rice delta payload (codec 6's
+    when ``paired``)."""
     out = old.copy()
-    if not add_in_place(out, payload, word):
-        positions, moved = decode_moves(payload, word, old.size // word)
+    if not add_in_place(out, payload, word, paired):
+        positions, moved = decode_moves(payload, word, old.size // word, paired)
         add_moves(out, positions, moved, word)
     return out
