@@ -1371,7 +1371,8 @@ static size_t pair_scalar(const uint8_t *src, size_t n, size_t from, size_t m, u
 }
 
 /* Unpairs symbols [from, m) into out (2 bytes each), escapes from esc[*e..nesc) (esc has two
- * zero bytes past nesc). Returns nonzero on an invalid symbol or escapes that run out. Eight
+ * zero bytes past nesc; the caller checks that the escapes end at nesc, exactly). Returns
+ * nonzero on an invalid symbol. Eight
  * symbols with no escape among them (no byte of the eight reaches PAIR_ESCAPE = 128 + 97) are
  * read from the table alone. */
 static unsigned unpair_scalar(const uint8_t *sym, size_t from, size_t m, const uint8_t *esc,
@@ -1402,7 +1403,7 @@ static unsigned unpair_scalar(const uint8_t *sym, size_t from, size_t m, const u
         }
     }
     *e_io = e;
-    return bad | (e > nesc);
+    return bad;
 }
 
 #if HAVE_AVX512_LOOPS

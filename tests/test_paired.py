@@ -134,6 +134,53 @@ def test_damaged_pairs_are_refused_alike(plane: bytes, damage: int) -> None:
     assert (got[0] == "corrupt") == expect_corrupt
 
 
+def _spelled_out(plane: bytes) -> tuple[bytes, bytes]:
+    """The paired form by its definition, one pair at a time."""
+    padded = plane + bytes(len(plane) % 2)
+    symbols, escapes = bytearray(), bytearray()
+    for a, b in zip(padded[0::2], padded[1::2], strict=True):
+        if a < PAIR_SMALL and b < PAIR_SMALL:
+            symbols.append(PAIR_SMALL * a + b)
+        else:
+            symbols.append(PAIR_ESCAPE)
+            escapes += bytes([a, b])
+    return bytes(symbols), bytes(escapes)
+
+
+@pytest.mark.parametrize("size", [199, 200, 1001])
+def test_pairing_at_the_boundaries_on_every_road(size: int) -> None:
+    """Bytes just below and at the pairing bound (14, 15) and far above it, and symbols just
+    below, at and above the escape (224, 225, 226, 255), at every offset of the vector loops'
+    groups and of the portable loops' eight-pair steps, and at the end of the plane."""
+    for value in (14, 15, 16, 127, 128, 255):
+        for at in [0, 1, 15, 16, 17, 62, 63, 64, 65, size - 2, size - 1]:
+            plane = bytearray(np.tile(np.array([1, 2, 2, 1, 0], np.uint8), size)[:size])
+            plane[at] = value
+            plane = bytes(plane)
+            expected = _spelled_out(plane)
+            for got in both(lambda plane=plane: pair_plane(plane)):
+                assert got == expected, (value, at)
+            for restored in both(lambda e=expected: unpair_plane(*e, size)):
+                assert restored == plane, (value, at)
+    symbols, escapes = _spelled_out(bytes(size))
+    for value in (224, 225, 226, 255):
+        for at in [0, 1, 7, 8, 31, 32, 33, len(symbols) - 1]:
+            damaged = bytearray(symbols)
+            damaged[at] = value
+            extra = b"\3\4" if value == PAIR_ESCAPE else b""
+            outcomes = both(
+                lambda d=bytes(damaged), x=escapes + extra: outcome(
+                    lambda: unpair_plane(d, x, size)
+                )
+            )
+            # the last symbol of an odd plane also holds the pad byte, which must be 0
+            pad = value % PAIR_SMALL if value < PAIR_ESCAPE else extra[-1:] != b"\0"
+            if value > PAIR_ESCAPE or (size % 2 and at == len(symbols) - 1 and pad):
+                assert outcomes == ["corrupt"] * len(outcomes), (value, at)
+            else:
+                assert all(o == outcomes[0] != "corrupt" for o in outcomes), (value, at)
+
+
 def test_paired_form_round_trips_with_and_without_escapes() -> None:
     rng = np.random.default_rng(0)
     unit = rng.choice(np.array([1, 2], dtype=np.uint8), 10_001)
