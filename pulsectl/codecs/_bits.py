@@ -223,7 +223,14 @@ def change_planes(
 
 def compress_plane(plane: memoryview, level: int) -> bytes:
     """b"" for an all-zero plane, else one zstd frame."""
-    return _zstd.compress_plane(plane, level) if np.frombuffer(plane, np.uint8).any() else b""
+    return _zstd.compress_plane(plane, level) if not all_zero(plane) else b""
+
+
+def all_zero(plane: Buffer) -> bool:
+    """Whether every byte of ``plane`` is 0 (``max``: a quarter of the time of ``any``, which
+    converts each byte to a bool first)."""
+    data = np.frombuffer(plane, np.uint8)
+    return not data.size or not data.max()
 
 
 # Plane 0 in pairs (codecs 6 and 7): bytes a, b become one symbol PAIR_SMALL * a + b when both
@@ -281,7 +288,7 @@ def paired_plane(plane: memoryview, level: int) -> bytes | None:
     the escapes as one zstd frame, or nothing when no pair escaped); None when the plain form
     is as small or smaller, or the plane is all zero."""
     count = len(plane)
-    if not np.frombuffer(plane, np.uint8).any():
+    if all_zero(plane):
         return None
     symbols, escapes = pair_plane(plane)
     if len(escapes) > count // 2:  # most pairs escape: the plain form is smaller
