@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _faultkit import parse_patch
 
 from pulsectl.apply import apply_patches
 from pulsectl.cli.app import main
@@ -47,6 +48,9 @@ def test_squash_equals_the_chain_and_is_smaller(tmp_path: Path, shards):
     patches = _patches(tmp_path, chain, FAST)
     squashed = tmp_path / "all.pulse"
     summary = squash_patches(patches, squashed)
+    # the links' codec 6 blocks (value plane 0 paired) are read, and squash writes them too
+    assert all(6 in parse_patch(p.read_bytes()).codecs() for p in patches)
+    assert 6 in parse_patch(squashed.read_bytes()).codecs()
     apply_patches(chain[0], [squashed], tmp_path / "out")
     assert _tree(tmp_path / "out") == _tree(chain[-1])
     assert summary.patch_bytes < summary.input_bytes
