@@ -1338,43 +1338,45 @@ done:
 #define BYTES_80 0x8080808080808080ull
 
 /* Pairs [from, m) of the plane (n bytes) into symbols; escapes go to esc + e. Returns the new e.
- * esc needs room for two more bytes than it keeps. Eight pairs whose 16 bytes are all small (the
- * usual case: no byte reaches PAIR_SMALL, told by adding 128 - PAIR_SMALL to each byte's low
- * seven bits) are paired without the escape's bookkeeping. */
+ * esc needs room for two more bytes than it keeps. Eight whole pairs at a time: every symbol as
+ * if both bytes were small, then the pairs with a byte of PAIR_SMALL or more (told by adding
+ * 128 - PAIR_SMALL to each byte's low seven bits), one set bit each, become escapes. */
 static size_t pair_scalar(const uint8_t *src, size_t n, size_t from, size_t m, uint8_t *sym,
                           uint8_t *esc, size_t e) {
     size_t i = from;
-    while (i < m) {
-        if (i + 8 <= n / 2) {
-            uint64_t x[2];
-            memcpy(x, src + 2 * i, 16);
-            uint64_t big = 0;
-            for (int h = 0; h < 2; h++)
-                big |= (((x[h] & ~BYTES_80) + (128 - PAIR_SMALL) * BYTES_1) | x[h]) & BYTES_80;
-            if (!big) {
-                for (int j = 0; j < 8; j++, i++)
-                    sym[i] = (uint8_t)(PAIR_SMALL * src[2 * i] + src[2 * i + 1]);
-                continue;
+    for (; i + 8 <= n / 2; i += 8) {
+        uint64_t x[2];
+        memcpy(x, src + 2 * i, 16);
+        for (size_t j = 0; j < 8; j++)
+            sym[i + j] = (uint8_t)(PAIR_SMALL * src[2 * (i + j)] + src[2 * (i + j) + 1]);
+        for (size_t h = 0; h < 2; h++) {
+            uint64_t big = (((x[h] & ~BYTES_80) + (128 - PAIR_SMALL) * BYTES_1) | x[h]) & BYTES_80;
+            /* pair p of the four is bytes 2p (a) and 2p + 1 (b): b's flag joins a's at 16p + 7 */
+            for (uint64_t left = (big | big >> 8) & 0x0080008000800080ull; left; left &= left - 1) {
+                size_t j = 4 * h + ((size_t)__builtin_ctzll(left) >> 4);
+                sym[i + j] = PAIR_ESCAPE;
+                memcpy(esc + e, src + 2 * (i + j), 2);
+                e += 2;
             }
         }
-        size_t to = i + 8 < m ? i + 8 : m;
-        for (; i < to; i++) {
-            unsigned a = src[2 * i], b = 2 * i + 1 < n ? src[2 * i + 1] : 0;
-            unsigned small = (a < PAIR_SMALL) & (b < PAIR_SMALL);
-            sym[i] = (uint8_t)(small ? PAIR_SMALL * a + b : PAIR_ESCAPE);
-            esc[e] = (uint8_t)a;
-            esc[e + 1] = (uint8_t)b;
-            e += 2 * (1 - small);
-        }
+    }
+    for (; i < m; i++) { /* the rest, and the padded last pair of an odd plane */
+        unsigned a = src[2 * i], b = 2 * i + 1 < n ? src[2 * i + 1] : 0;
+        unsigned small = (a < PAIR_SMALL) & (b < PAIR_SMALL);
+        sym[i] = (uint8_t)(small ? PAIR_SMALL * a + b : PAIR_ESCAPE);
+        esc[e] = (uint8_t)a;
+        esc[e + 1] = (uint8_t)b;
+        e += 2 * (1 - small);
     }
     return e;
 }
 
 /* Unpairs symbols [from, m) into out (2 bytes each), escapes from esc[*e..nesc) (esc has two
  * zero bytes past nesc; the caller checks that the escapes end at nesc, exactly). Returns
- * nonzero on an invalid symbol. Eight
- * symbols with no escape among them (no byte of the eight reaches PAIR_ESCAPE = 128 + 97) are
- * read from the table alone. */
+ * nonzero on an invalid symbol. Eight symbols at a time: all from the table, then the escapes
+ * among them (bytes of PAIR_ESCAPE = 128 + 97 or more, told by adding 128 - 97 to each byte's
+ * low seven bits where its top bit is set; one more, and it is invalid) from the escape stream,
+ * one set bit each. */
 static unsigned unpair_scalar(const uint8_t *sym, size_t from, size_t m, const uint8_t *esc,
                               size_t nesc, size_t *e_io, uint8_t *out) {
     uint16_t pairs[256] = {0}; /* 0 for the escape and the invalid symbols above it */
@@ -1382,25 +1384,28 @@ static unsigned unpair_scalar(const uint8_t *sym, size_t from, size_t m, const u
         pairs[v] = (uint16_t)(v / PAIR_SMALL | (v % PAIR_SMALL) << 8);
     size_t e = *e_io, i = from;
     unsigned bad = 0;
-    while (i < m) {
-        if (i + 8 <= m) {
-            uint64_t x;
-            memcpy(&x, sym + i, 8);
-            if (!(((x & ~BYTES_80) + (128 - (PAIR_ESCAPE - 128)) * BYTES_1) & x & BYTES_80)) {
-                for (int j = 0; j < 8; j++, i++) memcpy(out + 2 * i, &pairs[sym[i]], 2);
-                continue;
-            }
+    for (; i + 8 <= m && !bad; i += 8) {
+        uint64_t x;
+        memcpy(&x, sym + i, 8);
+        for (size_t j = 0; j < 8; j++) memcpy(out + 2 * (i + j), &pairs[sym[i + j]], 2);
+        uint64_t low7 = x & ~BYTES_80, top = x & BYTES_80;
+        uint64_t escapes = (low7 + (128 - (PAIR_ESCAPE - 128)) * BYTES_1) & top;
+        if (!escapes) continue;
+        bad |= ((low7 + (128 - (PAIR_ESCAPE + 1 - 128)) * BYTES_1) & top) != 0;
+        for (uint64_t left = escapes; left && !bad; left &= left - 1) {
+            size_t j = (size_t)__builtin_ctzll(left) >> 3; /* past nesc: the zero padding */
+            memcpy(out + 2 * (i + j), esc + (e < nesc ? e : nesc), 2);
+            e += 2;
         }
-        size_t to = i + 8 < m ? i + 8 : m;
-        for (; i < to; i++) {
-            unsigned v = sym[i], is_escape = v == PAIR_ESCAPE;
-            size_t at = e < nesc ? e : nesc;
-            uint16_t escaped = (uint16_t)(esc[at] | esc[at + 1] << 8);
-            uint16_t ab = is_escape ? escaped : pairs[v];
-            bad |= v > PAIR_ESCAPE;
-            e += 2 * is_escape;
-            memcpy(out + 2 * i, &ab, 2);
-        }
+    }
+    for (; i < m && !bad; i++) { /* the last few */
+        unsigned v = sym[i], is_escape = v == PAIR_ESCAPE;
+        size_t at = e < nesc ? e : nesc;
+        uint16_t escaped = (uint16_t)(esc[at] | esc[at + 1] << 8);
+        uint16_t ab = is_escape ? escaped : pairs[v];
+        bad |= v > PAIR_ESCAPE;
+        e += 2 * is_escape;
+        memcpy(out + 2 * i, &ab, 2);
     }
     *e_io = e;
     return bad;
