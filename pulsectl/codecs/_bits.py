@@ -291,7 +291,7 @@ def paired_plane(plane: memoryview, level: int) -> bytes | None:
     if all_zero(plane):
         return None
     symbols, escapes = pair_plane(plane)
-    if len(escapes) > count // 2:  # most pairs escape: the plain form is smaller
+    if len(escapes) > count // 2:  # most pairs escape: pairing would not pay
         return None
     packed_symbols = _zstd.compress_plane(symbols, level)
     packed = b"".join(
