@@ -228,13 +228,13 @@ def _compose_block(
                 )
             raw = decode_block(block.codec, block.payload, raw, size, word).copy()
         elif codec in (CODEC_DELTA, CODEC_RICE):
-            if codec == CODEC_DELTA:
-                pos, mv = decode_moves(block.payload, word, size // word)
-            else:
-                pos, mv = rice.decode_moves(block.payload, word, size // word, paired)
             if raw is not None:
                 raw = decode_block(block.codec, block.payload, raw, size, word).copy()
             else:
+                if codec == CODEC_DELTA:
+                    pos, mv = decode_moves(block.payload, word, size // word)
+                else:
+                    pos, mv = rice.decode_moves(block.payload, word, size // word, paired)
                 positions, moves = _add_moves(positions, moves, pos, mv.astype(utype))
         else:
             decode_block(block.codec, block.payload, raw, size, word)  # raises: unknown codec
@@ -245,9 +245,10 @@ def _compose_block(
         if item.base_file is None:
             raise IntegrityError(f"{name}: item {item.label!r} has no base and no bytes")
         return EncodedBlock(CODEC_COPY, b"", 0)
-    best = EncodedBlock(CODEC_DELTA, encode_moves(positions, moves, word, level), positions.size)
     values = moves_planes(moves, word, level, pair=True)
-    payload = rice.encode_moves(positions, moves, word, level, values=values)
+    payload = encode_moves(positions, None, word, level, values=values.plain())
+    best = EncodedBlock(CODEC_DELTA, payload, positions.size)
+    payload = rice.encode_moves(positions, None, word, level, values=values)
     if len(payload) < len(best.payload):
         best = EncodedBlock(
             CODEC_RICE_PAIRED if values.paired else CODEC_RICE, payload, positions.size

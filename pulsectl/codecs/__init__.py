@@ -116,9 +116,7 @@ def encode_block(
         )
         if not fits:
             # Gaps far from geometric (runs, rows, strides): codec 3's zstd planes can find them.
-            if values.paired:  # codec 3 has no paired form
-                values = change_planes(old, new, positions, word, probe, raw_planes)
-            payload = delta.encode_moves(positions, None, word, probe, values=values.packed)
+            payload = delta.encode_moves(positions, None, word, probe, values=values.plain())
             if len(payload) < len(best.payload):
                 best = EncodedBlock(CODEC_DELTA, payload, positions.size)
         if context_block is not None and len(context_block.payload) < len(best.payload):

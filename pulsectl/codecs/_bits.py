@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -172,22 +172,34 @@ def value_planes(moved: np.ndarray, word: int, level: int) -> list[bytes]:
 @dataclass(frozen=True)
 class Planes:
     """A block's value planes, compressed: ``packed[p]`` is plane p (b"" when all zero), plane
-    0 in the paired form when ``paired`` (codecs 6 and 7), else all plain (codecs 3, 4, 5)."""
+    0 in the paired form when ``paired`` (codecs 6 and 7), else all plain (codecs 3, 4, 5).
+    A paired one keeps plane 0 before compression (``raw0``, at ``level``) for ``plain``."""
 
     packed: list[bytes]
     paired: bool
+    raw0: Buffer | None = field(default=None, compare=False, repr=False)
+    level: int = field(default=0, compare=False, repr=False)
 
     def joined(self) -> bytes:
         return join_planes(self.packed)
 
+    def plain(self) -> list[bytes]:
+        """The planes with plane 0 plain, as codec 3 (which has no paired form) stores them:
+        only plane 0 is compressed again."""
+        if not self.paired:
+            return self.packed
+        assert self.raw0 is not None
+        return [compress_plane(memoryview(self.raw0), self.level), *self.packed[1:]]
+
 
 def compress_planes(raw: Sequence[Buffer], level: int, pair: bool) -> Planes:
-    """``raw`` (plane 0 first) compressed, plane 0 paired when ``pair`` and pairing pays."""
+    """``raw`` (plane 0 first) compressed, plane 0 paired when ``pair`` and pairing pays. The
+    result refers to ``raw[0]`` when paired: use it while that buffer is valid."""
+    rest = [compress_plane(memoryview(p), level) for p in raw[1:]]
     packed0 = paired_plane(memoryview(raw[0]), level) if pair else None
-    paired = packed0 is not None
-    if packed0 is None:
-        packed0 = compress_plane(memoryview(raw[0]), level)
-    return Planes([packed0] + [compress_plane(memoryview(p), level) for p in raw[1:]], paired)
+    if packed0 is not None:
+        return Planes([packed0, *rest], True, raw[0], level)
+    return Planes([compress_plane(memoryview(raw[0]), level), *rest], False)
 
 
 def moves_planes(moved: np.ndarray, word: int, level: int, pair: bool) -> Planes:

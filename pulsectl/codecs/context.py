@@ -96,9 +96,8 @@ def encode(
         count = positions.size
         planes = [memoryview(raw_planes)[p * count : (p + 1) * count] for p in range(word)]
         values = compress_planes(planes, min(level, PLANE_LEVEL), pair)
-        return _payload(count, word, key, raw_table, unary, remainder, values.joined(), level), (
-            values.paired
-        )
+        payload = _payload(count, word, key, raw_table, unary, remainder, values.joined(), level)
+        return payload, values.paired
     return _encode_numpy(old, new, word, positions, key, level, pair)
 
 
