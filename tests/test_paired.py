@@ -4,12 +4,12 @@ word width with adversarial moves, damaged paired planes, and when the encoder p
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from _native import pure_numpy, simd_modes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,29 +43,10 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 KEYS = {1: (3, 4), 2: context.KEYS["BF16"], 4: context.KEYS["F32"], 8: context.KEYS["F64"]}
 
 
-@contextmanager
-def pure_numpy() -> Iterator[None]:
-    saved = _fast.native
-    _fast.native = None
-    try:
-        yield
-    finally:
-        _fast.native = saved
-
-
 def both(fn: Callable[[], Any]) -> list[Any]:
     """``fn()`` with the compiled loops (where built; their AVX-512 versions, where this CPU
     has them, then the portable ones), then with numpy."""
-    out = []
-    native = _fast.native
-    if native is not None:
-        saved = native.simd(None)
-        try:
-            for on in (True, False):
-                native.simd(on)
-                out.append(fn())
-        finally:
-            native.simd(saved == "avx512")
+    out = [fn() for _ in simd_modes()] if _fast.native is not None else []
     with pure_numpy():
         out.append(fn())
     return out
@@ -87,21 +68,11 @@ low_bytes = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(low_bytes)
 def test_pairing_round_trips_and_the_loops_agree(plane: bytes) -> None:
-    results = both(lambda: pair_plane(plane))
-    assert all(r == results[0] for r in results)
-    symbols, escapes = results[0]
+    expected = _spelled_out(plane)  # 15 a + b for two small bytes, else an escape and both
+    for got in both(lambda: pair_plane(plane)):
+        assert got == expected
+    symbols, escapes = expected
     assert len(symbols) == (len(plane) + 1) // 2
-    padded = plane + bytes(len(plane) % 2)
-    # The form itself, spelled out: 15 a + b for two small bytes, else an escape and both bytes.
-    expected_escapes = b""
-    for i, s in enumerate(symbols):
-        a, b = padded[2 * i], padded[2 * i + 1]
-        if a < PAIR_SMALL and b < PAIR_SMALL:
-            assert s == PAIR_SMALL * a + b
-        else:
-            assert s == PAIR_ESCAPE
-            expected_escapes += bytes([a, b])
-    assert escapes == expected_escapes
     for restored in both(lambda: unpair_plane(symbols, escapes, len(plane))):
         assert restored == plane
 

@@ -11,13 +11,13 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _native import pure_numpy, simd_modes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,16 +29,6 @@ from pulsectl.errors import CorruptPatchError
 NATIVE = _fast.native
 needs_native = pytest.mark.skipif(NATIVE is None, reason="pulsectl._speedups is not built")
 WORDS = [1, 2, 4, 8]
-
-
-@contextmanager
-def pure_numpy() -> Iterator[None]:
-    saved = _fast.native
-    _fast.native = None
-    try:
-        yield
-    finally:
-        _fast.native = saved
 
 
 def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
@@ -106,16 +96,6 @@ def test_find_changes_and_encode_block_agree(pair: tuple[np.ndarray, np.ndarray,
         for pair in (False, True):
             planes = both(lambda pair=pair: change_planes(old, new, fast, word, 3, pair=pair))
             assert planes[0] == planes[1]
-
-
-def simd_modes() -> Iterator[str]:
-    """Run the loop body with the AVX-512 loops (where this CPU has them), then the portable."""
-    saved = NATIVE.simd(None)
-    try:
-        for on in (True, False):
-            yield NATIVE.simd(on)
-    finally:
-        NATIVE.simd(saved == "avx512")
 
 
 def expected_planes(old: np.ndarray, new: np.ndarray, word: int) -> tuple[np.ndarray, list[bytes]]:
