@@ -19,7 +19,14 @@ from benchmarks.v31 import Pair
 
 def split(codec: int, payload: bytes, word: int) -> dict[str, int]:
     """One block's payload as positions, values, headers and whole-block bytes."""
-    from pulsectl.codecs import CODEC_DELTA, CODEC_RICE, CODEC_STORE, CODEC_ZSTD, plain_codec
+    from pulsectl.codecs import (
+        CODEC_DELTA,
+        CODEC_RICE,
+        CODEC_STORE,
+        CODEC_ZSTD,
+        plain_codec,
+        rice,
+    )
 
     plain, _ = plain_codec(codec)
     if plain in (CODEC_STORE, CODEC_ZSTD):
@@ -30,12 +37,8 @@ def split(codec: int, payload: bytes, word: int) -> dict[str, int]:
         sizes = struct.unpack_from(f"<{gap_bytes + word}I", payload, head.size)
         positions = sum(sizes[:gap_bytes])
     elif plain == CODEC_RICE:
-        offset = 8  # u32 count, u8 word, u8 rice_k, u16 reserved
-        positions = 0
-        for _ in range(2):  # the unary and the remainder streams, each after its u32 length
-            (n,) = struct.unpack_from("<I", payload, offset)
-            positions += n
-            offset += 4 + n
+        _, _, _, unary, remainder, offset = rice._streams(payload, word, 1 << 62)
+        positions = len(unary) + len(remainder)
         sizes = struct.unpack_from(f"<{word}I", payload, offset)
     else:
         raise ValueError(f"codec {codec} is not one the default level writes")

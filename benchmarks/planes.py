@@ -59,7 +59,12 @@ def measure(pairs: list[tuple[Path, Path]], nblocks: int, rounds: int) -> list[d
 
     from benchmarks.chains import sample_blocks
     from pulsectl import _zstd
-    from pulsectl.codecs._bits import compress_plane, paired_plane, unpack_paired_plane
+    from pulsectl.codecs._bits import (
+        compress_plane,
+        paired_plane,
+        raw_planes,
+        unpack_paired_plane,
+    )
 
     rows = []
     for old_path, new_path in pairs:
@@ -71,10 +76,8 @@ def measure(pairs: list[tuple[Path, Path]], nblocks: int, rounds: int) -> list[d
             pos = np.flatnonzero(old != new)
             if pos.size == 0:
                 continue
-            moved = (new[pos] - old[pos]).view(np.int16)
-            zigzag = ((moved << 1) ^ (moved >> 15)).view(np.uint16)
-            low = memoryview((zigzag & 0xFF).astype(np.uint8))
-            high = (zigzag >> 8).astype(np.uint8)
+            low_plane, high = raw_planes(new[pos] - old[pos], 2)  # as the codecs compute them
+            low = memoryview(low_plane)
             plain = compress_plane(low, 3)
             paired = paired_plane(low, 3)
             sums["enc0"] += best_time(partial(compress_plane, low, 3), rounds)
