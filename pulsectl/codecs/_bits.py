@@ -144,15 +144,6 @@ def take_sized(view: memoryview, offset: int) -> tuple[memoryview, int]:
     return view[offset : offset + n], offset + n
 
 
-def pack_moves(moved: np.ndarray, word: int, level: int) -> bytes:
-    """Moves (``new - old``, unsigned) as zigzag values: ``word`` x u32 plane sizes, planes.
-
-    Plane p holds byte p of each value; an all-zero plane is stored as size 0, others as one
-    zstd frame each (as in codec 3).
-    """
-    return join_planes(value_planes(moved, word, level))
-
-
 def raw_planes(moved: np.ndarray, word: int) -> list[np.ndarray]:
     """The zigzag byte planes of the moves before compression, plane 0 first."""
     utype, stype = _UINT[word], _SINT[word]
