@@ -557,6 +557,35 @@ static inline void tw_put_unary(TopWriter *w, uint64_t q) {
 /* The bytes written, the last one zero-padded. */
 static inline size_t tw_size(const TopWriter *w) { return w->at + (w->bits != 0); }
 
+/* The Rice codes of 8 gaps with parameter k, for the portable loops: what 8 pairs of
+ * tw_put_unary and tw_put_low write, in as few puts as fit (each put waits for the one before
+ * it). The 8 unary codes are one string of ones with a zero at the end of each code (the
+ * running sum of q + 1, less one), one put where it has at most 56 bits; the remainders go 8
+ * to a put where k <= 7 and 4 to a put where k <= 14. */
+static inline void rice_put_8(TopWriter *u, TopWriter *r, const uint64_t *g, int k) {
+    uint64_t end[8], length = 0;
+    for (int j = 0; j < 8; j++) end[j] = length += (g[j] >> k) + 1;
+    if (length <= 56) {
+        uint64_t zeros = 0; /* code j's zero at bit end[j] - 1 of the string, from bit 63 down */
+        for (int j = 0; j < 8; j++) zeros |= 1ull << (64 - end[j]);
+        tw_put(u, ~zeros & (~0ull << (64 - length)), (unsigned)length);
+    } else {
+        for (int j = 0; j < 8; j++) tw_put_unary(u, g[j] >> k);
+    }
+    if (k == 0) return;
+    const uint64_t low = (1ull << k) - 1;
+    if (k <= 14) {
+        const int per = k <= 7 ? 8 : 4;
+        for (int from = 0; from < 8; from += per) {
+            uint64_t top = 0;
+            for (int j = 0; j < per; j++) top |= (g[from + j] & low) << (64 - k * (j + 1));
+            tw_put(r, top, (unsigned)(per * k));
+        }
+    } else {
+        for (int j = 0; j < 8; j++) tw_put_low(r, g[j] & low, (unsigned)k);
+    }
+}
+
 #if HAVE_AVX512_LOOPS
 #define TW_MAX 56 /* the most bits one put takes */
 
@@ -690,9 +719,16 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
 #if HAVE_AVX512_LOOPS
     if (use_avx512 && n >= 16) i = rice_streams_avx512(&u, &r, pos, n, k);
 #endif
-    uint64_t low = (1ull << k) - 1;
+    uint64_t low = (1ull << k) - 1, before = UINT64_MAX; /* the first gap counts from -1 */
+    for (; i + 8 <= n; i += 8) {
+        uint64_t g[8];
+        for (int j = 0; j < 8; j++) {
+            g[j] = (uint64_t)pos[i + j] - (i + j ? (uint64_t)pos[i + j - 1] : before) - 1;
+        }
+        rice_put_8(&u, &r, g, k);
+    }
     for (; i < n; i++) {
-        uint64_t gap = (uint64_t)pos[i] - (i ? (uint64_t)pos[i - 1] : UINT64_MAX) - 1;
+        uint64_t gap = (uint64_t)pos[i] - (i ? (uint64_t)pos[i - 1] : before) - 1;
         tw_put_unary(&u, gap >> k);
         if (k) tw_put_low(&r, gap & low, (unsigned)k);
     }
@@ -1993,6 +2029,7 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
 #if HAVE_AVX512_LOOPS
         if (use_avx512 && hi - lo >= 16) s += rice_gaps_avx512(&u, &r, gaps + lo, hi - lo, k);
 #endif
+        for (; s + 8 <= hi; s += 8) rice_put_8(&u, &r, gaps + s, k);
         for (; s < hi; s++) {
             tw_put_unary(&u, gaps[s] >> k);
             if (k) tw_put_low(&r, gaps[s] & low, (unsigned)k);

@@ -731,6 +731,30 @@ def test_rice_encode_refuses_positions_out_of_order(positions: list[int]):
 
 
 @needs_native
+@pytest.mark.parametrize("at", [0, 1, 7, 15, 16, 17, 31, 32, 33, 38])
+@pytest.mark.parametrize("damage", ["equal", "negative", "past_last", "wraps"])
+def test_rice_encode_refuses_long_positions_out_of_order(at: int, damage: str):
+    """The same on 40 positions, where the parameter search sums the gaps several at a time
+    (with AVX-512 too where the CPU has it): a bad position at the start, at the edges of 8
+    and 16 positions or near the end is refused by both loops, and so is one past the last
+    position (the gaps would add up to more than the last position allows for)."""
+    positions = np.arange(0, 40 * 1000, 1000, dtype=np.int64)
+    if damage == "equal":
+        positions[at] = positions[at - 1] if at else positions[1]
+    elif damage == "negative":
+        positions[at] = -5
+    elif damage == "past_last":
+        positions[at] = 2**40
+    else:
+        positions[at] = -(2**63) + 3
+    for _loops in simd_modes():
+        with pytest.raises(ValueError, match="increase"):
+            NATIVE.rice_encode(positions)
+        with pytest.raises(ValueError, match="increase"):
+            NATIVE.rice_size(positions)
+
+
+@needs_native
 def test_rice_encode_takes_large_steps():
     positions = np.array([0, 2**40, 2**41 + 3], dtype=np.int64)
     k, unary, remainder = NATIVE.rice_encode(positions)
