@@ -27,10 +27,17 @@
 #include <immintrin.h>
 #define AVX512_TARGET                                                                     \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,popcnt")))
+/* A few loops also have an AVX2 version, for the CPUs without AVX-512 (AMD before Zen 4, and
+ * virtual machines that hide it), chosen the same way. */
+#define HAVE_AVX2_LOOPS 1
+#define AVX2_TARGET __attribute__((target("avx2,popcnt")))
 #else
 #define HAVE_AVX512_LOOPS 0
+#define HAVE_AVX2_LOOPS 0
 #endif
-static int use_avx512 = 0; /* set at import where the CPU has it; tests switch it off and on */
+/* Set at import where the CPU has them (use_avx2 too where use_avx512 is); simd() switches
+ * them, for the tests and PULSECTL_SIMD. */
+static int use_avx512 = 0, use_avx2 = 0;
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define LITTLE_ENDIAN_HOST 1
@@ -232,6 +239,103 @@ static AVX512_TARGET size_t w2_list_avx512(const uint8_t *a, const uint8_t *b, s
 }
 #endif
 
+#if HAVE_AVX2_LOOPS
+/* For w2_list_avx2, per mask m of 8 words (bit j: word j changed): the shuffle that moves the
+ * low bytes of the changed words' 16-bit lanes to the front of a register and their high
+ * bytes to its second half, and the changed words' lane numbers, in order. Filled at import. */
+static uint8_t avx2_split[256][16], avx2_lanes[256][8];
+
+static void fill_avx2_tables(void) {
+    for (int m = 0; m < 256; m++) {
+        int k = 0;
+        memset(avx2_split[m], 0x80, 16); /* a shuffle index with the top bit set gives zero */
+        for (int j = 0; j < 8; j++) {
+            if (!(m >> j & 1)) continue;
+            avx2_split[m][k] = (uint8_t)(2 * j);
+            avx2_split[m][8 + k] = (uint8_t)(2 * j + 1);
+            avx2_lanes[m][k++] = (uint8_t)j;
+        }
+    }
+}
+
+/* The changes of 8 words at `at`, with z their zigzag moves and m the mask of the changed
+ * ones: plane bytes and indices compressed to `count` by the tables. Like w2_list_avx512, the
+ * stores are whole registers from `count` on (8 plane bytes, 8 indices), which the caller's
+ * room covers: count is at most `at`. */
+static inline __attribute__((always_inline)) AVX2_TARGET size_t
+w2_put_8(__m128i z, unsigned m, size_t at, size_t count, int64_t *restrict out,
+         uint8_t *restrict planes, size_t stride) {
+    __m128i split = _mm_shuffle_epi8(z, _mm_loadu_si128((const __m128i *)avx2_split[m]));
+    _mm_storel_epi64((__m128i *)(planes + count), split);
+    _mm_storel_epi64((__m128i *)(planes + stride + count), _mm_srli_si128(split, 8));
+    __m128i lanes = _mm_loadl_epi64((const __m128i *)avx2_lanes[m]);
+    __m256i base = _mm256_set1_epi64x((long long)at);
+    _mm256_storeu_si256((__m256i *)(out + count),
+                        _mm256_add_epi64(base, _mm256_cvtepu8_epi64(lanes)));
+    _mm256_storeu_si256((__m256i *)(out + count + 4),
+                        _mm256_add_epi64(base, _mm256_cvtepu8_epi64(_mm_srli_si128(lanes, 4))));
+    return count + (size_t)__builtin_popcount(m);
+}
+
+/* w2_list_avx2 over the 16-word spans of words [i, end), end - i a multiple of 16: one compare
+ * per span; where any words differ (in every span unless `skip`), each half of 8 is compressed
+ * by table (AVX2 has no compress instruction). */
+static inline __attribute__((always_inline)) AVX2_TARGET size_t
+w2_spans_avx2(const uint8_t *a, const uint8_t *b, size_t i, size_t end, size_t count,
+              int64_t *restrict out, uint8_t *restrict planes, size_t stride, const int skip) {
+    for (; i < end; i += 16) {
+        __builtin_prefetch(a + 2 * i + PREFETCH_AHEAD);
+        __builtin_prefetch(b + 2 * i + PREFETCH_AHEAD);
+        __m256i u = _mm256_loadu_si256((const __m256i *)(a + 2 * i));
+        __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2 * i));
+        __m256i same = _mm256_cmpeq_epi16(u, v);
+        if (skip && _mm256_movemask_epi8(same) == -1) continue;
+        /* One byte per word: words 0-7 in bits 0-7, words 8-15 in bits 16-23 (packs works
+         * within each 128-bit half). */
+        unsigned bits = ~(unsigned)_mm256_movemask_epi8(_mm256_packs_epi16(same, same));
+        __m256i d = _mm256_sub_epi16(v, u);
+        __m256i z = _mm256_xor_si256(_mm256_slli_epi16(d, 1), _mm256_srai_epi16(d, 15));
+        count = w2_put_8(_mm256_castsi256_si128(z), bits & 0xFF, i, count, out, planes, stride);
+        count = w2_put_8(_mm256_extracti128_si256(z, 1), (bits >> 16) & 0xFF, i + 8, count, out,
+                         planes, stride);
+    }
+    return count;
+}
+
+/* w2_list with planes, on AVX2, in stretches of W2_STRETCH words. Skipping a span where no word
+ * differs saves its compression but costs a mispredicted branch whenever the guess is wrong;
+ * once more than 1 word in 40 changes (a span of 16 then differs a third of the time) that
+ * costs more than it saves, so a stretch skips only where the one before had fewer changes. */
+#define W2_STRETCH 4096
+static AVX2_TARGET size_t w2_list_avx2(const uint8_t *a, const uint8_t *b, size_t nwords,
+                                       int64_t *restrict out, uint8_t *restrict planes,
+                                       size_t stride) {
+    size_t count = 0, i = 0, spans = nwords & ~(size_t)15, before = 0;
+    while (i < spans) {
+        size_t end = spans - i > W2_STRETCH ? i + W2_STRETCH : spans;
+        size_t changed = count - before;
+        before = count;
+        if (changed * 40 > W2_STRETCH)
+            count = w2_spans_avx2(a, b, i, end, count, out, planes, stride, 0);
+        else
+            count = w2_spans_avx2(a, b, i, end, count, out, planes, stride, 1);
+        i = end;
+    }
+    for (; i < nwords; i++) { /* the last words, fewer than 16 */
+        uint16_t x, y;
+        memcpy(&x, a + 2 * i, 2);
+        memcpy(&y, b + 2 * i, 2);
+        uint16_t dd = (uint16_t)(y - x);
+        uint16_t zz = (uint16_t)((uint16_t)(dd << 1) ^ (uint16_t)(0 - (dd >> 15)));
+        out[count] = (int64_t)i;
+        planes[count] = (uint8_t)zz;
+        planes[stride + count] = (uint8_t)(zz >> 8);
+        count += x != y;
+    }
+    return count;
+}
+#endif
+
 /* changes() lists into a scratch buffer of its thread, kept between calls (room for every word
  * of the largest block seen: only the pages a listing reaches are ever touched), and returns a
  * copy of what was found. */
@@ -312,6 +416,12 @@ static PyObject *changes_into(PyObject *self, PyObject *args) {
 #if HAVE_AVX512_LOOPS
         if (use_avx512) {
             count = w2_list_avx512(a.buf, b.buf, nwords, p.buf, q.buf, cap);
+            break;
+        }
+#endif
+#if HAVE_AVX2_LOOPS
+        if (use_avx2) {
+            count = w2_list_avx2(a.buf, b.buf, nwords, p.buf, q.buf, cap);
             break;
         }
 #endif
@@ -2734,15 +2844,41 @@ static int avx512_available(void) {
 #endif
 }
 
-/* simd(on) -> str: use the AVX-512 loops where the CPU has them (on true) or the portable ones
- * (on false); None leaves the choice. Returns the loops now in use: "avx512" or "portable". */
-static PyObject *simd(PyObject *self, PyObject *on) {
-    if (on != Py_None) {
-        int want = PyObject_IsTrue(on);
-        if (want < 0) return NULL;
-        use_avx512 = want && avx512_available();
+static int avx2_available(void) {
+#if HAVE_AVX2_LOOPS
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+#else
+    return 0;
+#endif
+}
+
+/* simd(level) -> str: use at most these loops: "avx512", "avx2" or "portable" (True: the best
+ * the CPU has, False: "portable"), each only where the CPU has it; None leaves the choice.
+ * Returns the loops now in use: "avx512" (with the AVX2 ones where a loop has no AVX-512
+ * version), "avx2" or "portable". */
+static PyObject *simd(PyObject *self, PyObject *level) {
+    if (level != Py_None) {
+        int top; /* 2: avx512, 1: avx2, 0: portable */
+        if (PyUnicode_Check(level)) {
+            top = PyUnicode_CompareWithASCIIString(level, "avx512") == 0   ? 2
+                  : PyUnicode_CompareWithASCIIString(level, "avx2") == 0   ? 1
+                  : PyUnicode_CompareWithASCIIString(level, "portable") == 0 ? 0
+                                                                              : -1;
+            if (top < 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "simd: %R is not one of 'avx512', 'avx2', 'portable'", level);
+                return NULL;
+            }
+        } else {
+            int want = PyObject_IsTrue(level);
+            if (want < 0) return NULL;
+            top = want ? 2 : 0;
+        }
+        use_avx512 = top >= 2 && avx512_available();
+        use_avx2 = top >= 1 && avx2_available();
     }
-    return PyUnicode_FromString(use_avx512 ? "avx512" : "portable");
+    return PyUnicode_FromString(use_avx512 ? "avx512" : use_avx2 ? "avx2" : "portable");
 }
 
 static PyObject *set_corrupt_error(PyObject *self, PyObject *cls) {
@@ -2795,8 +2931,9 @@ static PyMethodDef methods[] = {
     {"remove_cleanup", remove_cleanup, METH_VARARGS,
      "remove_cleanup(token): forget a path given to add_cleanup."},
     {"simd", simd, METH_O,
-     "simd(on) -> 'avx512' or 'portable': the loops in use after turning the AVX-512 ones on "
-     "(where the CPU has them) or off; None only asks."},
+     "simd(level) -> 'avx512', 'avx2' or 'portable': the loops in use after allowing at most "
+     "`level` ('avx512', 'avx2', 'portable'; True: the best, False: portable), each where the "
+     "CPU has it; None only asks."},
     {"set_corrupt_error", set_corrupt_error, METH_O,
      "set_corrupt_error(cls): the exception raised for damaged streams."},
     {NULL, NULL, 0, NULL},
@@ -2813,5 +2950,9 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (PyType_Ready(&MappedType) < 0) return NULL;
 #endif
     use_avx512 = avx512_available();
+    use_avx2 = avx2_available();
+#if HAVE_AVX2_LOOPS
+    fill_avx2_tables();
+#endif
     return PyModule_Create(&module);
 }

@@ -1,5 +1,5 @@
 """Switching the compiled loops (pulsectl/_speedups.c) off and on, for tests that compare them
-with numpy and their AVX-512 versions with the portable ones."""
+with numpy and their AVX-512 and AVX2 versions with the portable ones."""
 
 from __future__ import annotations
 
@@ -21,13 +21,17 @@ def pure_numpy() -> Iterator[None]:
 
 
 def simd_modes() -> Iterator[str]:
-    """Run the loop body with the AVX-512 loops (where this CPU has them), then the portable
-    ones; the extension must be built."""
+    """Run the loop body with each set of loops this CPU has: the AVX-512 ones, the AVX2 ones,
+    then the portable ones; the extension must be built."""
     native = _fast.native
     assert native is not None
     saved = native.simd(None)
+    seen: set[str] = set()
     try:
-        for on in (True, False):
-            yield native.simd(on)
+        for level in ("avx512", "avx2", "portable"):
+            loops = native.simd(level)
+            if loops not in seen:
+                seen.add(loops)
+                yield loops
     finally:
-        native.simd(saved == "avx512")
+        native.simd(saved)

@@ -465,20 +465,39 @@ def test_cli_writes_the_same_patch_without_the_extension(tmp_path: Path, chain: 
 
 
 @needs_native
-def test_no_avx512_keeps_the_portable_loops():
-    def loops(value: str) -> str:
+def test_simd_environment_caps_the_loops():
+    def loops(**env: str) -> tuple[str, str]:
         code = "from pulsectl.codecs import _fast; print(_fast.native.simd(None))"
-        env = {**os.environ, "PULSECTL_NO_AVX512": value}
+        clean = {
+            k: v for k, v in os.environ.items() if k not in ("PULSECTL_SIMD", "PULSECTL_NO_AVX512")
+        }
         run = subprocess.run(
-            [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+            [sys.executable, "-c", code],
+            env={**clean, **env},
+            check=True,
+            capture_output=True,
+            text=True,
         )
-        return run.stdout.strip()
+        return run.stdout.strip(), run.stderr
 
     saved = NATIVE.simd(None)
-    available = NATIVE.simd(True)  # "avx512" where this CPU has it
-    NATIVE.simd(saved == "avx512")
-    assert loops("1") == "portable"
-    assert loops("0") == available
+    try:
+        best = NATIVE.simd(True)  # "avx512" or "avx2" where this CPU has them
+        with_avx2 = NATIVE.simd("avx2")  # "avx2" where the CPU has AVX2, else "portable"
+    finally:
+        NATIVE.simd(saved)
+    assert loops() == (best, "")
+    assert loops(PULSECTL_SIMD="portable") == ("portable", "")
+    assert loops(PULSECTL_SIMD="avx2") == (with_avx2, "")
+    assert loops(PULSECTL_SIMD="avx512") == (best, "")
+    assert loops(PULSECTL_NO_AVX512="1") == (with_avx2, "")
+    assert loops(PULSECTL_NO_AVX512="0") == (best, "")
+    assert loops(PULSECTL_SIMD="portable", PULSECTL_NO_AVX512="1") == ("portable", "")
+    chosen, warning = loops(PULSECTL_SIMD="sse9")
+    assert chosen == best
+    assert "PULSECTL_SIMD='sse9' is not one of avx512, avx2, portable; ignored" in warning
+    with pytest.raises(ValueError, match="not one of"):
+        NATIVE.simd("sse9")
 
 
 CONTEXT_KEYS = {1: (3, 4), 2: (7, 8), 4: (23, 8), 8: (52, 11)}

@@ -6,8 +6,9 @@ turns it off, e.g. to rule it out when chasing a bug.
 
 On x86-64 CPUs with AVX-512 (with VBMI and VBMI2) a few loops run in an AVX-512 version, chosen at
 import (finding changes, Rice coding and decoding, the context codec's dense walks, pairing value
-planes);
-``PULSECTL_NO_AVX512=1`` keeps the portable loops (same bytes; the tests run both).
+planes); on those with AVX2 but not AVX-512, finding changes runs in an AVX2 version.
+``PULSECTL_SIMD=avx512|avx2|portable`` allows at most those loops (same bytes; the tests run
+each set this CPU has); ``PULSECTL_NO_AVX512=1`` is ``PULSECTL_SIMD=avx2``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from types import ModuleType
 
 from pulsectl.errors import CorruptPatchError
+
+SIMD_LEVELS = ("avx512", "avx2", "portable")  # PULSECTL_SIMD's values, most first
 
 
 def _load() -> ModuleType | None:
@@ -29,8 +32,18 @@ def _load() -> ModuleType | None:
     except ImportError:
         return None
     _speedups.set_corrupt_error(CorruptPatchError)
-    if os.environ.get("PULSECTL_NO_AVX512", "") not in ("", "0"):
-        _speedups.simd(False)
+    level = os.environ.get("PULSECTL_SIMD", "")
+    if level not in ("", *SIMD_LEVELS):
+        print(
+            f"pulsectl: warning: PULSECTL_SIMD={level!r} is not one of "
+            f"{', '.join(SIMD_LEVELS)}; ignored",
+            file=sys.stderr,
+        )
+        level = ""
+    if not level and os.environ.get("PULSECTL_NO_AVX512", "") not in ("", "0"):
+        level = "avx2"
+    if level:
+        _speedups.simd(level)
     return _speedups
 
 
