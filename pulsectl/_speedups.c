@@ -1580,6 +1580,42 @@ static AVX512_TARGET size_t pair_avx512(const uint8_t *src, size_t m, uint8_t *s
     return i;
 }
 
+#endif
+
+#if HAVE_AVX2_LOOPS
+/* pair_avx512 on AVX2, 32 pairs at a time: the symbols alike; the escaped pairs (few, where
+ * pairing pays) copied one by one from the mask, as AVX2 has no compress. */
+static AVX2_TARGET size_t pair_avx2(const uint8_t *src, size_t m, uint8_t *sym, uint8_t *esc,
+                                    size_t *e_io) {
+    const __m256i low = _mm256_set1_epi16(0xFF), most = _mm256_set1_epi16(PAIR_SMALL - 1),
+                  escape = _mm256_set1_epi16(PAIR_ESCAPE);
+    size_t e = *e_io, i = 0;
+    for (; i + 32 <= m; i += 32) {
+        __m256i v[2], big[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(src + 2 * i + 32 * h));
+            __m256i a = _mm256_and_si256(w, low), b = _mm256_srli_epi16(w, 8);
+            big[h] = _mm256_cmpgt_epi16(_mm256_max_epi16(a, b), most);
+            v[h] = _mm256_add_epi16(_mm256_sub_epi16(_mm256_slli_epi16(a, 4), a), b);
+            v[h] = _mm256_blendv_epi8(v[h], escape, big[h]);
+        }
+        /* packus interleaves the two registers' 128-bit halves; the permute puts the pairs
+         * back in order */
+        __m256i symbols = _mm256_permute4x64_epi64(_mm256_packus_epi16(v[0], v[1]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(sym + i), symbols);
+        unsigned escaped = (unsigned)_mm256_movemask_epi8(
+            _mm256_permute4x64_epi64(_mm256_packs_epi16(big[0], big[1]), 0xD8));
+        for (; escaped; escaped &= escaped - 1) {
+            memcpy(esc + e, src + 2 * (i + (size_t)__builtin_ctz(escaped)), 2);
+            e += 2;
+        }
+    }
+    *e_io = e;
+    return i;
+}
+#endif
+
+#if HAVE_AVX512_LOOPS
 /* The inverse, 32 symbols at a time: a = s / 15 as (137 s) >> 11 (exact for s < 256), b = s -
  * 15 a, and the escapes expanded into the escape lanes (VPEXPANDW). Stops before a group whose
  * escapes run past nesc, or that holds a symbol above PAIR_ESCAPE: the scalar loop goes on from
@@ -1625,6 +1661,9 @@ static PyObject *pair_plane(PyObject *self, PyObject *args) {
 #if HAVE_AVX512_LOOPS
     /* whole pairs only: the last, padded one of an odd plane is the scalar loop's */
     if (use_avx512) done = pair_avx512(src, n / 2, sym, esc, &e);
+#endif
+#if HAVE_AVX2_LOOPS
+    if (!done && use_avx2) done = pair_avx2(src, n / 2, sym, esc, &e);
 #endif
     e = pair_scalar(src, n, done, m, sym, esc, e);
     Py_END_ALLOW_THREADS
