@@ -1,4 +1,4 @@
-"""benchmarks/loops.py, the A/B timer of the compiled loops, runs as the README says."""
+"""The benchmark scripts run as the README says, and their report judges targets fairly."""
 
 from __future__ import annotations
 
@@ -67,3 +67,31 @@ def test_planes_experiment_runs_and_pairs_losslessly(tmp_path: Path):
     for r in rows:
         entropy, stored, paired = map(float, r[4:7])
         assert 0 < entropy <= paired <= stored, r
+
+
+def test_report_leaves_out_ratios_to_a_slowed_reference(monkeypatch: pytest.MonkeyPatch):
+    """A pair whose `cp` (or compare pass) is far slower per byte than the run's others is not
+    counted as meeting a target: its ratio would flatter pulsectl."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import report
+
+    def pair(cp_s: float, compare_s: float, nbytes: int = 10**9) -> dict:
+        return {"target_bytes": nbytes, "cp": {"wall_s": cp_s}, "compare": {"wall_s": compare_s}}
+
+    pairs = [pair(0.30, 0.50), pair(0.28, 0.52), pair(1.21, 0.51), pair(0.34, 0.55)]
+    slow = report.slow_references(pairs)
+    assert [sorted(s) for s in slow] == [[], [], ["cp"], []]
+    assert slow[2]["cp"] == pytest.approx(1.21 / ((0.30 + 0.34) / 2))
+    # Per byte: the same time on a checkpoint twice the size is not slow.
+    assert report.slow_references([pair(0.3, 0.5), pair(0.6, 1.0, 2 * 10**9), pair(0.3, 0.5)]) == [
+        {},
+        {},
+        {},
+    ]
+    # Too few pairs for a median to mean anything: nothing is flagged.
+    assert report.slow_references([pair(0.3, 0.5), pair(3.0, 0.5)]) == [{}, {}]
+    assert report._verdict([1.2, 2.0, None], 1.5, unjudged=1) == (
+        "**partly met** (1/2 pairs; 1 not judged ‡)"
+    )
+    assert report._verdict([1.2, 1.4], 1.5) == "**met** (2/2 pairs)"
+    assert report._verdict([None], 1.5, unjudged=1) == "not measured (1 not judged ‡)"
