@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,8 +47,31 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """The version, then which loops run: the compiled ones and their SIMD level, or numpy."""
+    from pulsectl.codecs import _fast
+
     assert main(["--version"]) == 0
-    assert capsys.readouterr().out == f"pulsectl {__version__}\n"
+    out = capsys.readouterr().out
+    if _fast.native is None:
+        assert out.startswith(f"pulsectl {__version__} (codec loops: numpy (")
+    else:
+        level = _fast.native.simd(None)
+        assert level in _fast.SIMD_LEVELS
+        assert out == f"pulsectl {__version__} (codec loops: compiled, {level})\n"
+
+
+def test_version_names_the_numpy_fallback() -> None:
+    """With the extension turned off, --version says so (in a child: the choice is made at
+    import)."""
+    env = {**os.environ, "PULSECTL_PURE_PYTHON": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pulsectl", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert out == f"pulsectl {__version__} (codec loops: numpy (PULSECTL_PURE_PYTHON is set))\n"
 
 
 @pytest.mark.parametrize(

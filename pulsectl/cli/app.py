@@ -47,7 +47,9 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        print(f"pulsectl {__version__}")
+        from pulsectl.codecs import _fast
+
+        print(f"pulsectl {__version__} (codec loops: {_fast.describe()})")
         raise typer.Exit()
 
 
@@ -59,7 +61,13 @@ def _global(
         bool, typer.Option("--verbose", "-v", help="Tracebacks on errors (or PULSECTL_DEBUG=1).")
     ] = False,
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print version.")
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="Print the version and the codec loops in use.",
+        ),
     ] = False,
 ) -> None:
     ctx.obj = Output(quiet=quiet, verbose=verbose)

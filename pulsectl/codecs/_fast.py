@@ -48,3 +48,12 @@ def _load() -> ModuleType | None:
 
 
 native = _load()
+
+
+def describe() -> str:
+    """Which inner loops this process runs, for ``pulsectl --version`` and bug reports."""
+    if native is not None:
+        return f"compiled, {native.simd(None)}"
+    if os.environ.get("PULSECTL_PURE_PYTHON", "") not in ("", "0"):
+        return "numpy (PULSECTL_PURE_PYTHON is set)"
+    return "numpy (the C extension was not built: no C compiler at install?)"
