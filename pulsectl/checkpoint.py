@@ -152,8 +152,8 @@ def _parse_entry(name: str, entry: object, data_start: int, path: str | Path) ->
         parts = []
         if missing:
             parts.append(f"missing {', '.join(missing)}")
-        if extra:
-            parts.append(f"unexpected {', '.join(extra)}")
+        if extra:  # the file's own keys: quoted, so that none can break the line
+            parts.append(f"unexpected {', '.join(map(repr, extra))}")
         raise fail(f"entry must have exactly dtype, shape, data_offsets ({'; '.join(parts)})")
     dtype = entry["dtype"]
     if not isinstance(dtype, str):

@@ -14,11 +14,17 @@ EXIT_USAGE = 2
 EXIT_INTEGRITY = 3
 
 
+# Line breaks and other control characters in a message (from a file name, or from a
+# damaged file's own text) are shown escaped, as repr() shows them.
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
+
+
 class PulseError(Exception):
     """Base of every error pulsectl raises on purpose.
 
-    ``message`` is one line that names the object and the fix; the structured fields let
-    callers (and tests) inspect what went wrong without parsing text.
+    ``message`` is one line that names the object and the fix (control characters in it are
+    escaped); the structured fields let callers (and tests) inspect what went wrong without
+    parsing text.
     """
 
     exit_code = EXIT_ERROR
@@ -32,6 +38,7 @@ class PulseError(Exception):
         expected: str | None = None,
         actual: str | None = None,
     ) -> None:
+        message = message.translate(_ESCAPES)
         super().__init__(message)
         self.message = message
         self.path = str(path) if path is not None else None

@@ -27,6 +27,18 @@ def _error_line(err: str) -> str:
     return lines[0]
 
 
+def test_error_naming_a_file_with_a_line_break_stays_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file name (or a damaged file's text) with control characters in it is shown escaped,
+    so that the error is still one line for the scripts that read it."""
+    odd = tmp_path / "step\n1\x1b.safetensors"
+    odd.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{} broken")
+    assert main(["hash", str(odd)]) == 1
+    line = _error_line(capsys.readouterr().err)
+    assert "step\\n1\\x1b.safetensors" in line
+
+
 @pytest.fixture
 def pair(chain: list[Path], tmp_path: Path) -> tuple[Path, Path, Path]:
     """Copies of steps 0 and 1 and the patch between them, in a fresh folder."""
@@ -207,6 +219,21 @@ def test_hash_format(
     digest, path = lines[2].split("  ")
     assert len(digest) == 32 and int(digest, 16) >= 0 and path == str(sharded_chain[0])
     assert captured.err == ""
+
+
+def test_hash_escapes_odd_names_as_sha256sum_does(
+    pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A name with a line break, carriage return or backslash: the line starts with a
+    backslash and those characters are escaped (GNU sha256sum's convention)."""
+    a = pair[0]
+    digest = xxhash.xxh3_128_hexdigest(a.read_bytes())
+    names = {"x\ny.safetensors": "x\\ny", "x\\y.safetensors": "x\\\\y", "x\ry.safetensors": "x\\ry"}
+    for name in names:
+        (a.parent / name).write_bytes(a.read_bytes())
+    assert main(["hash", *(str(a.parent / n) for n in names)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"\\{digest}  {a.parent}/{e}.safetensors" for e in names.values()]
 
 
 def test_verify(pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
