@@ -19,6 +19,13 @@ EXIT_INTEGRITY = 3
 _ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
 
 
+def escape_controls(text: str) -> str:
+    """``text`` with line breaks, escape sequences and other control characters shown as
+    repr() shows them (``\\n``, ``\\x1b``): for names read from files (tensor names, file
+    names, a patch's writer string) before they reach a terminal or a line-based output."""
+    return text.translate(_ESCAPES)
+
+
 class PulseError(Exception):
     """Base of every error pulsectl raises on purpose.
 
@@ -38,7 +45,7 @@ class PulseError(Exception):
         expected: str | None = None,
         actual: str | None = None,
     ) -> None:
-        message = message.translate(_ESCAPES)
+        message = escape_controls(message)
         super().__init__(message)
         self.message = message
         self.path = str(path) if path is not None else None

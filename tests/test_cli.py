@@ -39,6 +39,39 @@ def test_error_naming_a_file_with_a_line_break_stays_one_line(
     assert "step\\n1\\x1b.safetensors" in line
 
 
+def test_names_from_files_show_as_they_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """inspect and stats print tensor names as they are: brackets and colons are not rich
+    markup or emoji codes, and control characters (a line break, a terminal escape) are shown
+    escaped instead of reaching the terminal."""
+    import numpy as np
+
+    from pulsectl.checkpoint import save_safetensors
+
+    names = {
+        "w[b].weight": "w[b].weight",
+        "x[red]y:fire:.weight": "x[red]y:fire:.weight",
+        "evil\x1b[31m.weight": "evil\\x1b[31m.weight",
+        "two\nlines.weight": "two\\nlines.weight",
+    }
+    w = np.arange(4096, dtype=np.uint16)
+    moved = w + (np.arange(4096) % 7 == 0).astype(np.uint16)
+    a, b, p = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse"
+    save_safetensors(a, {n: ("BF16", (4096,), w) for n in names})
+    save_safetensors(b, {n: ("BF16", (4096,), moved) for n in names})
+    assert main(["-q", "diff", str(a), str(b), "-o", str(p)]) == 0
+    for argv in (["inspect", str(p)], ["stats", str(a), str(b)], ["stats", str(p)]):
+        capsys.readouterr()
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out, argv
+        rows = [line for line in out.splitlines() if ".weight" in line]
+        assert len(rows) == len(names), (argv, out)
+        for shown in names.values():
+            assert sum(f" {shown} " in row for row in rows) == 1, (argv, shown, out)
+
+
 @pytest.fixture
 def pair(chain: list[Path], tmp_path: Path) -> tuple[Path, Path, Path]:
     """Copies of steps 0 and 1 and the patch between them, in a fresh folder."""

@@ -39,7 +39,9 @@ class Output:
 
         # Off a terminal rich assumes 80 columns; a pipe or file gets full tensor names instead.
         width = None if sys.stdout.isatty() else 240
-        Console(soft_wrap=False, width=width).print(renderable)
+        # Cells hold names read from files: no markup ('w[b].weight' would lose '[b]') and no
+        # emoji codes (':fire:'), so that every name shows as it is.
+        Console(soft_wrap=False, width=width, markup=False, emoji=False).print(renderable)
 
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[Callable[[int, int], None] | None]:

@@ -8,6 +8,7 @@ import typer
 
 from pulsectl.cli._options import JsonFlag
 from pulsectl.cli._output import Output
+from pulsectl.errors import escape_controls as shown
 
 
 def inspect(
@@ -33,9 +34,9 @@ def inspect(
     from rich.table import Table
 
     lines = [
-        f"patch          {doc['patch']} ({_size(doc['patch_bytes'])}, "
+        f"patch          {shown(doc['patch'])} ({_size(doc['patch_bytes'])}, "
         f".pulse v{doc['format_version']}, "
-        f"{doc['writer']}{', checksums verified' if doc['checked'] else ''})",
+        f"{shown(doc['writer'])}{', checksums verified' if doc['checked'] else ''})",
         f"layout         {doc['layout']}, {len(doc['target']['files'])} file(s), "
         f"{len(doc['tensors'])} item(s)",
         f"base           {doc['base']['fingerprint']}",
@@ -55,7 +56,7 @@ def inspect(
         words = t["words"]
         changed = t["changed_words"]
         table.add_row(
-            t["name"] or t["file"],
+            shown(t["name"] or t["file"]),
             t["dtype"] or "blob",
             "x".join(map(str, t["shape"])) if t["shape"] is not None else "",
             f"{changed:,}",

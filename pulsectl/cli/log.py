@@ -7,6 +7,7 @@ import typer
 from pulsectl.cli._options import JsonFlag
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
+from pulsectl.errors import escape_controls as shown
 
 
 def log(ctx: typer.Context, store: StoreUrl, as_json: JsonFlag = False) -> None:
@@ -24,12 +25,12 @@ def log(ctx: typer.Context, store: StoreUrl, as_json: JsonFlag = False) -> None:
     )
     for s in doc["steps"]:
         if s["kind"] == "damaged":
-            out.data(f"{s['step']:>8}  damaged  {s['error']}")
+            out.data(f"{s['step']:>8}  damaged  {shown(s['error'])}")
             continue
         anchor = f"{s['anchor_bytes']:,}" if s["anchor_bytes"] is not None else "-"
         patch = f"{s['patch_bytes']:,}" if s["patch_bytes"] is not None else "-"
         density = f"{s['density']:.3%}" if s["density"] is not None else "-"
-        note = f"  MISSING {', '.join(s['missing'])}" if s["missing"] else ""
+        note = f"  MISSING {shown(', '.join(s['missing']))}" if s["missing"] else ""
         out.data(
             f"{s['step']:>8}  {s['kind']:<7} {anchor:>14} {patch:>12} {s['chain_length']:>5} "
             f"{density:>8}  {s['target_fingerprint']}{note}"

@@ -11,6 +11,7 @@ from pulsectl._names import DEFAULT_KS
 from pulsectl.cli._options import FindDevice, JsonFlag, Workers
 from pulsectl.cli._output import Output
 from pulsectl.errors import UsageError
+from pulsectl.errors import escape_controls as shown
 
 _BAR_WIDTH = 24
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -91,10 +92,10 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
     total = doc["total"]
     inputs = doc["inputs"]
     if doc["source"] == "patch":
-        what = f"patch {inputs['patch']}"
+        what = f"patch {shown(inputs['patch'])}"
     else:
         cast = f" (as {inputs['as']})" if inputs["as"] else ""
-        what = f"{inputs['old']} -> {inputs['new']}{cast}"
+        what = f"{shown(inputs['old'])} -> {shown(inputs['new'])}{cast}"
     lines = [
         f"update         {what}",
         f"changed words  {total['changed_words']:,} of {total['words']:,} "
@@ -130,7 +131,7 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
         for g in groups:
             key = g[by]
             table.add_row(
-                "-" if key is None else str(key),
+                "-" if key is None else shown(str(key)),
                 str(g["tensors"]),
                 f"{g['words']:,}",
                 f"{g['changed_words']:,}",
@@ -144,7 +145,7 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
         table = _table(f"most changed tensors (top {top})", ["tensor", "changed", "density"])
         ranked = sorted(doc["tensors"], key=lambda t: (-t["changed_words"], t["name"]))
         for t in ranked[:top]:
-            table.add_row(t["name"], f"{t['changed_words']:,}", f"{t['density']:.3%}")
+            table.add_row(shown(t["name"]), f"{t['changed_words']:,}", f"{t['density']:.3%}")
         out.rich(table)
 
 
