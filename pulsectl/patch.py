@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, cast
 
 from pulsectl._dtypes import DTYPES
+from pulsectl._paths import paths_problem
 from pulsectl.checkpoint import SafetensorsHeader, parse_header
 from pulsectl.errors import CorruptPatchError, FormatError
 from pulsectl.format import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES
@@ -293,26 +294,13 @@ def _parse_stored_header(raw: bytes, label: str) -> SafetensorsHeader:
 
 
 def _check_paths(v: _Validator, paths: list[str], layout: str) -> None:
-    if layout == "file":
-        if paths != [""]:
-            v.fail("a single-file patch names exactly one file with an empty path")
-        return
-    if not paths or len(set(paths)) != len(paths) or paths != sorted(paths):
-        v.fail("file paths are empty, repeated or not sorted")
-    for p in paths:
-        parts = p.split("/")
-        if (
-            not p
-            or p.startswith("/")
-            or "\\" in p
-            or "\0" in p
-            or any(part in ("", ".", "..") or part.startswith(".") for part in parts)
-        ):
-            v.fail(f"unsafe file path {p!r}")
-    folders = {"/".join(p.split("/")[:k]) for p in paths for k in range(1, p.count("/") + 1)}
-    clash = sorted(folders.intersection(paths))
-    if clash:
-        v.fail(f"{clash[0]!r} is both a file and a folder")
+    problem = paths_problem(paths, layout)
+    if problem is not None:
+        v.fail(
+            problem
+            if layout != "file"
+            else "a single-file patch names exactly one file with an empty path"
+        )
 
 
 class _Validator:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import re
 import shutil
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 from conftest import TEMP_GLOB, tree_bytes
 
 from pulsectl.cli.app import main
-from pulsectl.errors import OutputError, UsageError
+from pulsectl.errors import FormatError, OutputError, UsageError
 from pulsectl.store import (
     PublishOptions,
     StepUnreachableError,
@@ -84,6 +85,63 @@ def test_layout_and_anchor_policy(published: Path) -> None:
     raw = (published / "steps/00000007.json").read_bytes()
     assert raw == json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
     assert manifest_from_bytes(raw, "x").step == 7
+
+
+@pytest.mark.parametrize(
+    ("layout", "paths", "problem"),
+    [
+        ("file", ["../../../escaped.safetensors"], "exactly one empty path"),
+        ("file", ["", ""], "exactly one empty path"),
+        ("dir", ["../x.safetensors"], "unsafe file path '../x.safetensors'"),
+        ("dir", ["a/../../x.safetensors"], "unsafe file path"),
+        ("dir", ["/etc/x.safetensors"], "unsafe file path"),
+        ("dir", [".hidden"], "unsafe file path"),
+        ("dir", ["a\\..\\x"], "unsafe file path"),
+        ("dir", [""], "unsafe file path"),
+        ("dir", ["b.json", "a.json"], "not sorted"),
+        ("dir", ["a", "a/b.json"], "'a' is both a file and a folder"),
+    ],
+)
+def test_manifest_anchor_paths_stay_inside(
+    published: Path, layout: str, paths: list[str], problem: str
+) -> None:
+    """pull writes an anchor's files at the paths its manifest names: a manifest whose paths
+    would climb out of pull's folder (damaged, or written by someone else) is refused."""
+    doc = manifest(published, 10)
+    template = doc["anchor"]["files"][0]
+    doc["layout"] = layout
+    doc["anchor"]["files"] = [{**template, "path": p} for p in paths]
+    raw = json.dumps(doc).encode()
+    with pytest.raises(
+        FormatError, match="not a valid step manifest: anchor files: .*" + re.escape(problem)
+    ):
+        manifest_from_bytes(raw, "steps/00000010.json")
+    # The same manifest with the store's own paths is read.
+    assert manifest_from_bytes(json.dumps(manifest(published, 10)).encode(), "x").step == 10
+
+
+def test_pull_refuses_an_anchor_path_out_of_its_folder(
+    published: Path, trainer_chain: list[Path], tmp_path: Path
+) -> None:
+    """Before the check, this manifest made pull write the anchor outside its work folder and
+    then copy the folder it had landed in (here tmp_path) into the result, recursively."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    doc = manifest(store, 0)
+    doc["anchor"]["files"][0]["path"] = "../../../escaped.safetensors"
+    (store / manifest_key(0)).write_text(json.dumps(doc))
+    (tmp_path / "worker").mkdir()
+    out = tmp_path / "worker" / "w.safetensors"
+    with pytest.raises(
+        StepUnreachableError, match="the manifest of step 0, .* is missing or damaged"
+    ):
+        pull(store, out, step=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "worker"]
+    assert list((tmp_path / "worker").iterdir()) == []
+    assert read_log(store)["steps"][0]["kind"] == "damaged"
+    # Steps with an anchor of their own are still reachable.
+    pull(store, out, step=12)
+    assert out.read_bytes() == trainer_chain[12].read_bytes()
 
 
 def test_pull_any_step_bit_exact(

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pulsectl._paths import paths_problem
 from pulsectl.errors import FormatError
 
 STORE_SCHEMA = 1  # version of the store layout and of the manifest JSON
@@ -181,6 +182,10 @@ def manifest_from_bytes(data: bytes, key: str) -> StepManifest:
             anchor = tuple(_stored(f, fail) for f in doc["anchor"]["files"])
             if not anchor:
                 raise fail("an anchor without files")
+            # pull writes the anchor's files at these paths: nothing may climb out of its folder.
+            problem = paths_problem([f.path for f in anchor], layout)
+            if problem is not None:
+                raise fail(f"anchor files: {problem}")
         patch = None
         if doc["patch"] is not None:
             p = doc["patch"]
@@ -233,9 +238,12 @@ def _stored(doc: Any, fail: Any) -> StoredFile:
         raise fail(f"file key {key!r} is not under {ANCHORS_PREFIX} or {PATCHES_PREFIX}")
     if ".." in key.split("/") or "\\" in key or "\0" in key:
         raise fail(f"file key {key!r} is not a plain relative name")
+    path = doc["path"]
+    if not isinstance(path, str):
+        raise fail(f"file path {path!r} is not a string")
     return StoredFile(
         key,
-        str(doc["path"]),
+        path,
         _int(doc["size"], "size", fail),
         _fp(doc["fingerprint"], "fingerprint", fail),
     )
