@@ -387,7 +387,7 @@ def _cast_folder(
 def _load_object(data: bytes) -> dict[str, Any] | None:
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # bad JSON, 4300+ digit ints, nesting
         return None
     return doc if isinstance(doc, dict) else None
 

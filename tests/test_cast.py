@@ -178,6 +178,25 @@ def test_cast_folder_matches_the_bf16_chain(tmp_path: Path) -> None:
     assert index["metadata"]["total_size"] == sum(t.nbytes for _, t in ckpt.tensors())
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        b'{"torch_dtype": "float32", "n": ' + b"7" * 5000 + b"}",  # past int's 4300 digits
+        b"[" * 100_000 + b"]" * 100_000,  # nested past the recursion limit
+        b"\xff not utf-8",
+    ],
+)
+def test_cast_folder_copies_a_config_it_cannot_read(tmp_path: Path, config: bytes) -> None:
+    """cast rewrites config.json's dtype when it can read it, and otherwise copies it as it is
+    (these used to end in an internal error)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    save_safetensors(src / "model.safetensors", _mixed_tensors())
+    (src / "config.json").write_bytes(config)
+    cast_checkpoint(src, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_bytes() == config
+
+
 def test_cast_refuses_to_overwrite(tmp_path: Path) -> None:
     save_safetensors(tmp_path / "in.safetensors", _mixed_tensors())
     (tmp_path / "out.safetensors").write_bytes(b"keep")

@@ -1,7 +1,8 @@
 """Fuzzing the readers: every input ends in a clean PulseError or a correct result.
 
 Targets: the patch reader with full apply (PatchReader, header_from_json, the codecs, the
-trailer checks) and the safetensors reader (parse_header, Checkpoint.open). Inputs: truncation
+trailer checks), the safetensors reader (parse_header, Checkpoint.open) and a folder store's
+step manifests (manifest_from_bytes, then pull). Inputs: truncation
 at every byte, random byte edits, and structure-aware edits that keep every checksum valid
 (a changed header, trailer, stored safetensors header or block payload), so that the
 validators and the decoders see them, not only the checksums.
@@ -19,6 +20,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import signal
 import struct
 from collections import Counter
@@ -52,6 +54,8 @@ from pulsectl.codecs import CODEC_NAMES, decode_block
 from pulsectl.errors import PulseError
 from pulsectl.format import PatchReader, read_trailer_at_end
 from pulsectl.patch import header_from_json
+from pulsectl.store import PublishOptions, publish, pull
+from pulsectl.store.layout import manifest_from_bytes, manifest_key
 
 PROFILES: dict[str, dict[str, Any]] = {
     "ci": {"max_examples": 150, "derandomize": True},
@@ -129,6 +133,12 @@ class Seeds:
         }
         self.parsed = {k: parse_patch(v[1]) for k, v in self.patches.items()}
         self.safetensors = self.file_new.read_bytes()
+        # A folder store of two steps: an anchor (step 0) and a patch (step 1).
+        self.store = folder / "store"
+        for step in (self.file_base, self.file_new):
+            options = PublishOptions(anchor_every=10, cache_dir=folder / "publish-cache")
+            publish(self.store, step, options=options)
+        self.manifests = {step: (self.store / manifest_key(step)).read_bytes() for step in (0, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -452,6 +462,46 @@ def test_fuzz_parse_header_text(raw: bytes) -> None:
         return "ok"
 
     run_input("parse-header", parse)
+
+
+# --- store manifests -------------------------------------------------------------------------
+
+
+def _tree(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+@FUZZ
+@given(data=st.data(), step=st.sampled_from([0, 1]))
+def test_fuzz_store_manifest(seeds: Seeds, data: st.DataObject, step: int) -> None:
+    """Edit a step manifest of a folder store, then pull step 1: the exact checkpoint or a
+    clean error, and never a file written outside the worker's folder (pull writes an anchor's
+    files at the paths its manifest names)."""
+    edited = data.draw(json_edits(json.loads(seeds.manifests[step])))
+    raw = json_text(edited, canonical=data.draw(st.booleans()))
+    worker = seeds.folder / "worker"
+    worker.mkdir()
+    before = _tree(seeds.folder) - {"worker"}
+
+    def run() -> str:
+        (seeds.store / manifest_key(step)).write_bytes(raw)
+        try:
+            try:
+                manifest_from_bytes(raw, manifest_key(step))
+            except PulseError as exc:
+                assert "\n" not in str(exc), f"multi-line message: {exc!s}"
+            out = worker / "model.safetensors"
+            pull(seeds.store, out, step=1)
+            assert out.read_bytes() == seeds.file_new.read_bytes(), "pull gave a wrong result"
+            return "ok"
+        finally:
+            (seeds.store / manifest_key(step)).write_bytes(seeds.manifests[step])
+            assert (
+                _tree(seeds.folder) - {"worker"} - {f"worker/{p}" for p in _tree(worker)} == before
+            ), "pull wrote outside its folder"
+            shutil.rmtree(worker)
+
+    run_input("store-manifest", run)
 
 
 # --- the summary -----------------------------------------------------------------------------

@@ -163,8 +163,10 @@ def manifest_from_bytes(data: bytes, key: str) -> StepManifest:
 
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: also an int of 4300+ digits
         raise fail(f"bad JSON ({exc})") from None
+    except RecursionError:
+        raise fail("bad JSON (nested too deeply)") from None
     if not isinstance(doc, dict):
         raise fail("not a JSON object")
     try:

@@ -292,7 +292,7 @@ def _load_head(cache: Path, store: Store) -> tuple[int, str, Path] | None:
         if state["store"] != store.ident or not path.exists():
             return None
         return int(state["step"]), str(state["fingerprint"]), path
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
