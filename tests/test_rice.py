@@ -31,7 +31,7 @@ def test_round_trip(word, nwords, density, big, seed):
     moves = (
         rng.integers(1, 2**63, positions.size, dtype=np.uint64).astype(utype)
         if big
-        else np.where(rng.random(positions.size) < 0.5, 1, np.iinfo(utype).max).astype(utype)
+        else np.where(rng.random(positions.size) < 0.5, utype(1), utype(np.iinfo(utype).max))
     )
     moves[moves == 0] = 1
     new = old.copy()
