@@ -399,3 +399,33 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "unknown --visible 'f7'" in capsys.readouterr().err
     assert main(["loco", "reduce", str(gp), "-o", str(tmp_path / "avg")]) == 1
     assert "not a .pulse patch" in capsys.readouterr().err
+
+
+def test_a_header_claiming_a_huge_tensor_is_refused_without_hashing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A damaged loco header can claim any tensor size; checking that the base is all zeros
+    means hashing that many zeros, so it waits until the frames have shown they hold that many
+    blocks. Here the header claims 256 GiB and the patch holds one block: refused at the
+    frames, with no zeros hashed."""
+    from _faultkit import build_patch, parse_patch
+
+    update = loco.SparseUpdate.from_dense({"w": np.array([0, 1.5, 0, 2.0], np.float32)})
+    parsed = parse_patch(loco.dumps(update))
+    header = parsed.header
+    nbytes = 4 * 2**36
+    stored = json.dumps(
+        {"w": {"dtype": "F32", "shape": [2**36], "data_offsets": [0, nbytes]}},
+        separators=(",", ":"),
+    )
+    stored += " " * (-len(stored) % 8)
+    header["files"][0]["header"] = stored
+    header["items"][0]["nbytes"] = nbytes
+    header["base"]["files"][0]["size"] = 8 + len(stored) + nbytes
+
+    def no_hashing(hasher: object, n: int) -> None:
+        raise AssertionError(f"hashed {n:,} zeros")
+
+    monkeypatch.setattr(loco, "_hash_zeros", no_hashing)
+    with pytest.raises(CorruptPatchError, match="expected item 0 with 32768 blocks"):
+        loco.loads(build_patch(header, parsed.frames, parsed.trailer))
