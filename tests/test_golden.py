@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from pulsectl.apply import apply_patches
-from pulsectl.diff import diff_to_path
 from pulsectl.format import END_MAGIC, FORMAT_VERSION, MAGIC
 from pulsectl.info import read_patch_info
 
@@ -68,7 +67,7 @@ def test_diff_reproduces_golden_bytes(tmp_path: Path, patch: str, base: str, tar
     maker = _load_maker()
     out = tmp_path / patch
     options = maker.MAX_OPTIONS if "max" in patch else maker.OPTIONS
-    diff_to_path(GOLDEN / base, GOLDEN / target, out, options=options)
+    maker.diff_golden(GOLDEN / base, GOLDEN / target, out, options=options)
     assert out.read_bytes() == (GOLDEN / patch).read_bytes()
 
 
