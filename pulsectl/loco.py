@@ -664,7 +664,8 @@ def _loco_field(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
         and isinstance(loco.get("trainers"), int)
         and not isinstance(loco.get("trainers"), bool)
         and loco["trainers"] >= 1
-        and (loco.get("visible") is None or loco.get("visible") in VISIBLE)
+        and "visible" in loco  # null when the averaged updates used different gates
+        and (loco["visible"] is None or loco["visible"] in VISIBLE)
     )
     if not ok:
         raise CorruptPatchError(

@@ -1,8 +1,9 @@
 """Fuzzing the readers: every input ends in a clean PulseError or a correct result.
 
 Targets: the patch reader with full apply (PatchReader, header_from_json, the codecs, the
-trailer checks), the safetensors reader (parse_header, Checkpoint.open) and a folder store's
-step manifests (manifest_from_bytes, then pull). Inputs: truncation
+trailer checks), the safetensors reader (parse_header, Checkpoint.open), a folder store's
+step manifests (manifest_from_bytes, then pull), PULSELoCo patches (loco.loads) and the live
+weights API (torch_api.apply_patch on a state dict). Inputs: truncation
 at every byte, random byte edits, and structure-aware edits that keep every checksum valid
 (a changed header, trailer, stored safetensors header or block payload), so that the
 validators and the decoders see them, not only the checksums.
@@ -502,6 +503,110 @@ def test_fuzz_store_manifest(seeds: Seeds, data: st.DataObject, step: int) -> No
             shutil.rmtree(worker)
 
     run_input("store-manifest", run)
+
+
+# --- PULSELoCo patches and live weights ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loco_seed() -> tuple[bytes, ParsedPatch]:
+    from pulsectl import loco
+
+    rng = np.random.default_rng(5)
+    dense = {
+        "a.weight": rng.standard_normal((40, 30)).astype(np.float32),
+        "b.bias": np.zeros(7, np.float32),
+    }
+    dense["a.weight"][rng.random((40, 30)) < 0.9] = 0
+    data = loco.dumps(loco.SparseUpdate.from_dense(dense))
+    return data, parse_patch(data)
+
+
+@FUZZ
+@given(data=st.data(), part=st.sampled_from(["header", "block", "bytes"]))
+def test_fuzz_loco_patch(
+    loco_seed: tuple[bytes, ParsedPatch], data: st.DataObject, part: str
+) -> None:
+    """Edit a PULSELoCo patch (its header, 'loco' field included, a block, or raw bytes) and
+    read it as `loco reduce` and `loco step` do: the same update or a clean error."""
+    from pulsectl import loco
+
+    raw, parsed = loco_seed
+    if part == "header":
+        patch = _rebuild(parsed, header=json_text(data.draw(json_edits(parsed.header))))
+    elif part == "block":
+        frames = [list(f) for f in parsed.frames]
+        spots = [(i, j) for i, f in enumerate(frames) for j in range(len(f))]
+        i, j = data.draw(st.sampled_from(spots))
+        codec, payload = frames[i][j]
+        frames[i][j] = (data.draw(st.sampled_from(sorted(CODEC_NAMES))), payload)
+        if payload and data.draw(st.booleans()):
+            frames[i][j] = (frames[i][j][0], data.draw(byte_edits(payload)))
+        patch = _rebuild(parsed, frames=frames)
+    else:
+        patch = data.draw(byte_edits(raw))
+    want = loco.loads(raw)
+
+    def read() -> str:
+        try:
+            got = loco.loads(patch)
+        except PulseError as exc:
+            assert "\n" not in str(exc), f"multi-line message: {exc!s}"
+            raise
+        for name in want.shapes:
+            assert got.shapes[name] == want.shapes[name]
+            assert np.array_equal(got.positions[name], want.positions[name])
+            assert np.array_equal(
+                got.values[name].view(np.uint32), want.values[name].view(np.uint32)
+            )
+        return "ok"
+
+    run_input("loco-patch", read)
+
+
+@FUZZ
+@given(data=st.data(), part=st.sampled_from(["header", "block", "bytes"]))
+def test_fuzz_live_apply(seeds: Seeds, data: st.DataObject, part: str) -> None:
+    """torch_api.apply_patch on an edited patch: the target state, or a clean error that left
+    every tensor of the state dict as it was (it promises to touch nothing until all checks)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pulsectl.torch_api import apply_patch
+
+    parsed = seeds.parsed["file"]
+    if part == "header":
+        patch = _rebuild(parsed, header=json_text(data.draw(json_edits(parsed.header))))
+    elif part == "block":
+        frames = [list(f) for f in parsed.frames]
+        spots = [(i, j) for i, f in enumerate(frames) for j in range(len(f))]
+        i, j = data.draw(st.sampled_from(spots))
+        codec, payload = frames[i][j]
+        if payload:
+            payload = data.draw(byte_edits(payload))
+        frames[i][j] = (data.draw(st.sampled_from(sorted(CODEC_NAMES)) | st.just(codec)), payload)
+        patch = _rebuild(parsed, frames=frames)
+    else:
+        patch = data.draw(byte_edits(seeds.patches["file"][1]))
+    state = load_file(str(seeds.file_base))
+    before = {k: v.clone() for k, v in state.items()}
+    target = load_file(str(seeds.file_new))
+
+    def run() -> str:
+        try:
+            apply_patch(state, patch, workers=1)
+        except PulseError as exc:
+            assert "\n" not in str(exc), f"multi-line message: {exc!s}"
+            assert state.keys() == before.keys(), "a failed apply changed the state's tensors"
+            for k, v in before.items():
+                assert torch.equal(state[k], v), f"a failed apply touched {k!r}"
+            raise
+        assert state.keys() == target.keys()
+        for k, v in target.items():
+            assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
+        return "ok"
+
+    run_input("live-apply", run)
 
 
 # --- the summary -----------------------------------------------------------------------------

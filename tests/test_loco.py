@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -429,3 +430,26 @@ def test_a_header_claiming_a_huge_tensor_is_refused_without_hashing_it(
     monkeypatch.setattr(loco, "_hash_zeros", no_hashing)
     with pytest.raises(CorruptPatchError, match="expected item 0 with 32768 blocks"):
         loco.loads(build_patch(header, parsed.frames, parsed.trailer))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda f: f.pop("visible"),  # every loco patch has it (null for mixed gates)
+        lambda f: f.update(visible="f32"),
+        lambda f: f.update(trainers=0),
+        lambda f: f.update(trainers=True),
+        lambda f: f.update(kind="sum"),
+        lambda f: f.update(version=2),
+    ],
+)
+def test_an_invalid_loco_field_is_a_corrupt_patch(edit: Any) -> None:
+    """Found by tests/test_fuzz.py: a 'loco' field without 'visible' passed the check and then
+    ended loco.loads in a KeyError (an internal error)."""
+    from _faultkit import build_patch, parse_patch
+
+    update = loco.SparseUpdate.from_dense({"w": np.array([0, 1.5, 0, 2.0], np.float32)})
+    parsed = parse_patch(loco.dumps(update))
+    edit(parsed.header["loco"])
+    with pytest.raises(CorruptPatchError, match="the 'loco' header field is not valid"):
+        loco.loads(build_patch(parsed.header, parsed.frames, parsed.trailer))
