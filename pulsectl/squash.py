@@ -39,7 +39,7 @@ from pulsectl.codecs import (
 from pulsectl.codecs._bits import moves_planes
 from pulsectl.codecs.delta import decode_moves, encode_moves
 from pulsectl.diff import DiffOptions
-from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     Block,
@@ -109,7 +109,12 @@ def squash_patches(
                 for b in range(nblocks):
                     size = min(header.block_bytes, item.nbytes - b * header.block_bytes)
                     enc = _compose_block(
-                        [blocks[b] for blocks in frames], item, size, level, infos[-1].name
+                        [blocks[b] for blocks in frames],
+                        item,
+                        size,
+                        level,
+                        infos[-1].name,
+                        [infos[p].name for p, _ in chain],
                     )
                     writer.add_block(enc.codec, enc.payload)
                     changed += enc.changed
@@ -205,39 +210,22 @@ def _read_frame(stream: BinaryIO, info: PatchInfo, index: int) -> list[Block]:
 
 
 def _compose_block(
-    blocks: list[Block], item: Item, size: int, level: int, name: str
+    blocks: list[Block], item: Item, size: int, level: int, name: str, sources: list[str]
 ) -> EncodedBlock:
-    """Fold one block's codecs across the chain into a single block."""
+    """Fold one block's codecs across the chain into a single block (``sources``: the patch
+    each block comes from, named in errors)."""
     word = item.word
     utype = _UINT[word]
     raw: np.ndarray | None = None  # the block's bytes, once a link stored them whole
     positions = np.empty(0, dtype=np.int64)  # else: moves relative to the origin
     moves = np.empty(0, dtype=utype)
-    for block in blocks:
-        codec, paired = plain_codec(block.codec)
-        if codec == CODEC_COPY:
-            continue
-        if codec in (CODEC_STORE, CODEC_ZSTD):
-            raw = decode_block(block.codec, block.payload, None, size, word).copy()
-            positions, moves = positions[:0], moves[:0]
-        elif codec == CODEC_CONTEXT:
-            if raw is None:
-                raise UsageError(
-                    f"{name}: the chain has --level max blocks, which need the base to decode; "
-                    "squash with --base CKPT"
-                )
-            raw = decode_block(block.codec, block.payload, raw, size, word).copy()
-        elif codec in (CODEC_DELTA, CODEC_RICE):
-            if raw is not None:
-                raw = decode_block(block.codec, block.payload, raw, size, word).copy()
-            else:
-                if codec == CODEC_DELTA:
-                    pos, mv = decode_moves(block.payload, word, size // word)
-                else:
-                    pos, mv = rice.decode_moves(block.payload, word, size // word, paired)
-                positions, moves = _add_moves(positions, moves, pos, mv.astype(utype))
-        else:
-            decode_block(block.codec, block.payload, raw, size, word)  # raises: unknown codec
+    for block, source in zip(blocks, sources, strict=True):
+        try:
+            raw, positions, moves = _fold(block, item, size, name, raw, positions, moves)
+        except CorruptPatchError as exc:
+            raise CorruptPatchError(
+                f"{source}: tensor {item.label!r}: {exc}", path=source, tensor=item.name
+            ) from exc
     if raw is not None:
         # The base bytes are unknown here: a block stored whole counts every word as changed.
         return dataclasses.replace(encode_block(None, raw, word, level), changed=size // word)
@@ -260,6 +248,46 @@ def _compose_block(
             f"{name}: a squashed block is too dense to code without the base; use --base"
         )
     return best
+
+
+def _fold(
+    block: Block,
+    item: Item,
+    size: int,
+    name: str,
+    raw: np.ndarray | None,
+    positions: np.ndarray,
+    moves: np.ndarray,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """One more link of a block's chain: its bytes (once a link stored them whole), or its
+    moves from the origin."""
+    word = item.word
+    codec, paired = plain_codec(block.codec)
+    if codec == CODEC_COPY:
+        if block.payload:  # as decode_block refuses it, and apply with it
+            raise CorruptPatchError("copy block carries a payload")
+        return raw, positions, moves
+    if codec in (CODEC_STORE, CODEC_ZSTD):
+        raw = decode_block(block.codec, block.payload, None, size, word).copy()
+        return raw, positions[:0], moves[:0]
+    if codec == CODEC_CONTEXT:
+        if raw is None:
+            raise UsageError(
+                f"{name}: the chain has --level max blocks, which need the base to decode; "
+                "squash with --base CKPT"
+            )
+        return decode_block(block.codec, block.payload, raw, size, word).copy(), positions, moves
+    if codec in (CODEC_DELTA, CODEC_RICE):
+        if raw is not None:
+            raw = decode_block(block.codec, block.payload, raw, size, word).copy()
+            return raw, positions, moves
+        if codec == CODEC_DELTA:
+            pos, mv = decode_moves(block.payload, word, size // word)
+        else:
+            pos, mv = rice.decode_moves(block.payload, word, size // word, paired)
+        return (raw, *_add_moves(positions, moves, pos, mv.astype(_UINT[word])))
+    decode_block(block.codec, block.payload, raw, size, word)  # raises: unknown codec
+    raise AssertionError(f"codec {block.codec} decoded without a rule to fold it")
 
 
 def _add_moves(

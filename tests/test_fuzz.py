@@ -2,8 +2,8 @@
 
 Targets: the patch reader with full apply (PatchReader, header_from_json, the codecs, the
 trailer checks), the safetensors reader (parse_header, Checkpoint.open), a folder store's
-step manifests (manifest_from_bytes, then pull), PULSELoCo patches (loco.loads) and the live
-weights API (torch_api.apply_patch on a state dict). Inputs: truncation
+step manifests (manifest_from_bytes, then pull), PULSELoCo patches (loco.loads), the live
+weights API (torch_api.apply_patch on a state dict) and squash. Inputs: truncation
 at every byte, random byte edits, and structure-aware edits that keep every checksum valid
 (a changed header, trailer, stored safetensors header or block payload), so that the
 validators and the decoders see them, not only the checksums.
@@ -43,6 +43,7 @@ from _faultkit import (
     report,
     scratch_dir,
     snapshot,
+    temps_in,
     write_small_folders,
     write_small_pair,
 )
@@ -133,6 +134,7 @@ class Seeds:
             ),
         }
         self.parsed = {k: parse_patch(v[1]) for k, v in self.patches.items()}
+        self.back = make_patch(self.file_new, self.file_base)  # new -> base, for squash
         self.safetensors = self.file_new.read_bytes()
         # A folder store of two steps: an anchor (step 0) and a patch (step 1).
         self.store = folder / "store"
@@ -607,6 +609,67 @@ def test_fuzz_live_apply(seeds: Seeds, data: st.DataObject, part: str) -> None:
         return "ok"
 
     run_input("live-apply", run)
+
+
+# --- squash ------------------------------------------------------------------------------------
+
+
+@FUZZ
+@given(
+    data=st.data(),
+    which=st.sampled_from([0, 1]),
+    part=st.sampled_from(["header", "block", "bytes"]),
+    with_base=st.booleans(),
+)
+def test_fuzz_squash(
+    seeds: Seeds, data: st.DataObject, which: int, part: str, with_base: bool
+) -> None:
+    """Squash a two-patch chain (base -> new -> base) with one patch edited: a clean error with
+    nothing left behind, or a patch that applies to exactly the chain's end. Without --base
+    squash never holds the tensors, so an input whose checksums hold but whose blocks were
+    written wrong can give a patch that apply refuses (its target fingerprints are the last
+    input's); never one that applies to anything else."""
+    from pulsectl.squash import squash_patches
+
+    chain = [seeds.patches["file"][1], seeds.back]
+    parsed = parse_patch(chain[which])
+    if part == "header":
+        chain[which] = _rebuild(parsed, header=json_text(data.draw(json_edits(parsed.header))))
+    elif part == "block":
+        frames = [list(f) for f in parsed.frames]
+        spots = [(i, j) for i, f in enumerate(frames) for j in range(len(f))]
+        i, j = data.draw(st.sampled_from(spots))
+        codec, payload = frames[i][j]
+        if payload:
+            payload = data.draw(byte_edits(payload))
+        frames[i][j] = (data.draw(st.sampled_from(sorted(CODEC_NAMES)) | st.just(codec)), payload)
+        chain[which] = _rebuild(parsed, frames=frames)
+    else:
+        chain[which] = data.draw(byte_edits(chain[which]))
+    work = seeds.folder / "squash"
+    work.mkdir()
+    paths = [work / "p1.pulse", work / "p2.pulse"]
+    for path, patch in zip(paths, chain, strict=True):
+        path.write_bytes(patch)
+    out = work / "squashed.pulse"
+
+    def run() -> str:
+        try:
+            try:
+                squash_patches(paths, out, base=seeds.file_base if with_base else None)
+            except PulseError as exc:
+                assert "\n" not in str(exc), f"multi-line message: {exc!s}"
+                assert not out.exists() and not temps_in(work), f"left behind after: {exc}"
+                raise
+            outcome = apply_outcome(
+                seeds.file_base, out.read_bytes(), seeds.out, snapshot(seeds.file_base)
+            )
+            assert outcome == "ok" or not with_base, "squash --base wrote a wrong patch"
+            return outcome
+        finally:
+            shutil.rmtree(work)
+
+    run_input("squash", run)
 
 
 # --- the summary -----------------------------------------------------------------------------

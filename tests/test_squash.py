@@ -10,7 +10,7 @@ from _faultkit import parse_patch
 from pulsectl.apply import apply_patches
 from pulsectl.cli.app import main
 from pulsectl.diff import DiffOptions, diff_to_path
-from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
 from pulsectl.info import read_patch_info
 from pulsectl.squash import squash_patches
 from pulsectl.synth import generate_chain
@@ -115,3 +115,21 @@ def test_cli_squash(tmp_path: Path, capsys):
     assert main(["squash", *map(str, patches), "-o", str(out)]) == 1  # exists, no -f
     assert main(["apply", str(chain[0]), str(out), "-o", str(tmp_path / "o.safetensors")]) == 0
     assert (tmp_path / "o.safetensors").read_bytes() == chain[-1].read_bytes()
+
+
+def test_a_copy_block_with_a_payload_is_refused_naming_its_patch(tmp_path: Path) -> None:
+    """Found by tests/test_fuzz.py: squash skipped copy blocks without looking at them, so a
+    copy block carrying a payload (which apply refuses) went into the squashed patch."""
+    from _faultkit import build_patch
+
+    chain = _chain(tmp_path, steps=2)
+    patches = _patches(tmp_path, chain, DiffOptions(block_bytes=4096))
+    parsed = parse_patch(patches[0].read_bytes())
+    frames = [list(f) for f in parsed.frames]
+    i = next(i for i, f in enumerate(frames) if f)
+    frames[i][0] = (0, b"x")
+    patches[0].write_bytes(build_patch(parsed.header, frames, parsed.trailer))
+    out = tmp_path / "squashed.pulse"
+    with pytest.raises(CorruptPatchError, match=rf"{patches[0]}: tensor .*: copy block carries"):
+        squash_patches(patches, out)
+    assert not out.exists()
