@@ -3,7 +3,8 @@
 Targets: the patch reader with full apply (PatchReader, header_from_json, the codecs, the
 trailer checks), the safetensors reader (parse_header, Checkpoint.open), a folder store's
 step manifests (manifest_from_bytes, then pull), PULSELoCo patches (loco.loads), the live
-weights API (torch_api.apply_patch on a state dict) and squash. Inputs: truncation
+weights API (torch_api.apply_patch on a state dict), squash, and the readers that
+write nothing (stats PATCH, inspect --check). Inputs: truncation
 at every byte, random byte edits, and structure-aware edits that keep every checksum valid
 (a changed header, trailer, stored safetensors header or block payload), so that the
 validators and the decoders see them, not only the checksums.
@@ -670,6 +671,48 @@ def test_fuzz_squash(
             shutil.rmtree(work)
 
     run_input("squash", run)
+
+
+# --- readers that write nothing: stats PATCH, inspect --check -----------------------------------
+
+
+@FUZZ
+@given(data=st.data(), kind=PATCH_KINDS, part=st.sampled_from(["header", "block", "bytes"]))
+def test_fuzz_patch_readers(seeds: Seeds, data: st.DataObject, kind: str, part: str) -> None:
+    """`inspect --check` (read_patch_info) and `stats PATCH` (patch_stats), which read every
+    block and write nothing, on an edited patch: each gives a result or a clean one-line
+    error."""
+    from pulsectl.info import read_patch_info
+    from pulsectl.stats import patch_stats
+
+    parsed = seeds.parsed[kind]
+    if part == "header":
+        patch = _rebuild(parsed, header=json_text(data.draw(json_edits(parsed.header))))
+    elif part == "block":
+        frames = [list(f) for f in parsed.frames]
+        spots = [(i, j) for i, f in enumerate(frames) for j in range(len(f))]
+        i, j = data.draw(st.sampled_from(spots))
+        codec, payload = frames[i][j]
+        if payload:
+            payload = data.draw(byte_edits(payload))
+        frames[i][j] = (data.draw(st.sampled_from(sorted(CODEC_NAMES)) | st.just(codec)), payload)
+        patch = _rebuild(parsed, frames=frames)
+    else:
+        patch = data.draw(byte_edits(seeds.patches[kind][1]))
+
+    def read() -> str:
+        for reader in (
+            lambda: read_patch_info(io.BytesIO(patch), check=True),
+            lambda: patch_stats(io.BytesIO(patch)),
+        ):
+            try:
+                reader()
+            except PulseError as exc:
+                assert "\n" not in str(exc), f"multi-line message: {exc!s}"
+                raise
+        return "ok"
+
+    run_input("patch-readers", read)
 
 
 # --- the summary -----------------------------------------------------------------------------
