@@ -296,11 +296,7 @@ def _parse_stored_header(raw: bytes, label: str) -> SafetensorsHeader:
 def _check_paths(v: _Validator, paths: list[str], layout: str) -> None:
     problem = paths_problem(paths, layout)
     if problem is not None:
-        v.fail(
-            problem
-            if layout != "file"
-            else "a single-file patch names exactly one file with an empty path"
-        )
+        v.fail(problem)
 
 
 class _Validator:

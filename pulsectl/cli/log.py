@@ -25,7 +25,7 @@ def log(ctx: typer.Context, store: StoreUrl, as_json: JsonFlag = False) -> None:
     )
     for s in doc["steps"]:
         if s["kind"] == "damaged":
-            out.data(f"{s['step']:>8}  damaged  {shown(s['error'])}")
+            out.data(f"{s['step']:>8}  damaged  {s['error']}")  # a PulseError's: one line
             continue
         anchor = f"{s['anchor_bytes']:,}" if s["anchor_bytes"] is not None else "-"
         patch = f"{s['patch_bytes']:,}" if s["patch_bytes"] is not None else "-"
