@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +91,48 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity" in " ".join(out.split())
     for command in ("diff", "apply", "hash", "verify", "inspect"):
         assert command in out
+
+
+def _leaf_commands() -> list[tuple[str, Any]]:
+    import typer.main
+
+    from pulsectl.cli.app import app
+
+    found: list[tuple[str, Any]] = []
+
+    def walk(command: Any, name: str) -> None:
+        for sub_name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{name} {sub_name}".strip())
+        if not hasattr(command, "commands"):
+            found.append((name, command))
+
+    walk(typer.main.get_command(app), "")
+    return found
+
+
+def test_help_names_every_value_in_capitals(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option that takes a value and every argument shows a name such as OUT or N (not
+    typer's <path> or <int range>), and an argument that takes several ends in '...', in the
+    usage line too."""
+    leaves = _leaf_commands()
+    assert len(leaves) >= 16
+    for name, command in leaves:
+        for param in command.params:
+            if getattr(param, "is_flag", False):
+                continue
+            assert param.metavar, (name, param.opts)
+            bare = param.metavar.removesuffix("...")
+            assert bare == bare.upper(), (name, param.opts, param.metavar)
+            assert param.metavar.endswith("...") == (param.nargs == -1), (name, param.opts)
+        assert main([*name.split(), "--help"]) == 0
+        out = capsys.readouterr().out
+        typer_names = r"<(path|str|text|int|integer|float|int range|float range|choice)>"
+        panels = out[min(out.find(h) for h in ("Arguments:", "Options:") if h in out) :]
+        assert not re.search(typer_names, panels), (name, out)
+        usage = next(line for line in out.splitlines() if line.startswith("Usage:"))
+        for param in command.params:
+            if getattr(param, "nargs", 1) == -1:
+                assert f"{{{param.metavar}}}" in usage, (name, usage)
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

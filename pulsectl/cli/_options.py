@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite OUT if it exists.")]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite the output if it exists.")]
 Workers = Annotated[
     int | None,
     typer.Option(

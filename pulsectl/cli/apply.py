@@ -16,7 +16,9 @@ def apply(
     base: BaseCheckpoint,
     patches: Annotated[
         list[str],
-        typer.Argument(metavar="PATCH", help="Patches in chain order; '-' reads one from stdin."),
+        typer.Argument(
+            metavar="PATCH...", help="Patches in chain order; '-' reads one from stdin."
+        ),
     ],
     output: Annotated[
         Path | None,

@@ -16,10 +16,11 @@ def cast(
     ctx: typer.Context,
     checkpoint: Checkpoint,
     output: Annotated[
-        Path, typer.Option("--output", "-o", help="Where to write the cast checkpoint.")
+        Path,
+        typer.Option("--output", "-o", metavar="OUT", help="Where to write the cast checkpoint."),
     ],
     to: Annotated[
-        str, typer.Option("--to", help=f"Target dtype: {', '.join(CAST_TARGETS)}.")
+        str, typer.Option("--to", metavar="DTYPE", help=f"Target dtype: {', '.join(CAST_TARGETS)}.")
     ] = "bf16",
     force: Force = False,
 ) -> None:

@@ -13,10 +13,15 @@ from pulsectl.cli._output import Output
 def demo(
     ctx: typer.Context,
     keep: Annotated[
-        Path | None, typer.Option("--keep", help="Build the demo in this folder and keep it.")
+        Path | None,
+        typer.Option("--keep", metavar="DIR", help="Build the demo in this folder and keep it."),
     ] = None,
-    shape: Annotated[str, typer.Option("--shape", help="Model preset: tiny, small.")] = "small",
-    steps: Annotated[int, typer.Option("--steps", min=1, max=50, help="Training steps.")] = 3,
+    shape: Annotated[
+        str, typer.Option("--shape", metavar="PRESET", help="Model preset: tiny, small.")
+    ] = "small",
+    steps: Annotated[
+        int, typer.Option("--steps", metavar="N", min=1, max=50, help="Training steps.")
+    ] = 3,
 ) -> None:
     """Build a small realistic checkpoint chain and run diff, apply and verify on it."""
     from pulsectl.demo import run_demo

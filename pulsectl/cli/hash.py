@@ -14,7 +14,7 @@ def hash_(
     ctx: typer.Context,
     checkpoints: Annotated[
         list[Path],
-        typer.Argument(metavar="CKPT", help="Safetensors files or checkpoint folders."),
+        typer.Argument(metavar="CKPT...", help="Safetensors files or checkpoint folders."),
     ],
 ) -> None:
     """Print '<fingerprint>  <path>' for each checkpoint (the fingerprint patches record).

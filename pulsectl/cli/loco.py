@@ -28,21 +28,30 @@ _VISIBLE_HELP = "Receiver precision of the gate: bf16, f16 or f8_e4m3."
 def encode(
     ctx: typer.Context,
     global_: Annotated[
-        Path, typer.Option("--global", "-g", help="Global FP32 weights (safetensors).")
+        Path,
+        typer.Option("--global", "-g", metavar="GLOBAL", help="Global FP32 weights (safetensors)."),
     ],
     local: Annotated[
-        Path, typer.Option("--local", "-l", help="This trainer's FP32 weights after H steps.")
+        Path,
+        typer.Option(
+            "--local", "-l", metavar="LOCAL", help="This trainer's FP32 weights after H steps."
+        ),
     ],
     residual: Annotated[
         Path,
         typer.Option(
-            "--residual", "-r", help="Error-feedback residual (safetensors); created if missing."
+            "--residual",
+            "-r",
+            metavar="R",
+            help="Error-feedback residual (safetensors); created if missing.",
         ),
     ],
     output: Annotated[
         Path, typer.Option("--output", "-o", metavar="PG", help="Sparse pseudo-gradient patch.")
     ],
-    visible: Annotated[str, typer.Option("--visible", help=_VISIBLE_HELP)] = "bf16",
+    visible: Annotated[
+        str, typer.Option("--visible", metavar="DTYPE", help=_VISIBLE_HELP)
+    ] = "bf16",
     force: Force = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -67,7 +76,8 @@ def encode(
 def reduce(
     ctx: typer.Context,
     patches: Annotated[
-        list[Path], typer.Argument(help="The trainers' patches from `loco encode`.")
+        list[Path],
+        typer.Argument(metavar="PG...", help="The trainers' patches from `loco encode`."),
     ],
     output: Annotated[
         Path, typer.Option("--output", "-o", metavar="AVG", help="Averaged update to write.")
@@ -96,12 +106,16 @@ def reduce(
 def step(
     ctx: typer.Context,
     global_: Annotated[
-        Path, typer.Option("--global", "-g", help="Global FP32 weights (safetensors).")
+        Path,
+        typer.Option("--global", "-g", metavar="GLOBAL", help="Global FP32 weights (safetensors)."),
     ],
     update: Annotated[
         Path,
         typer.Option(
-            "--update", "-u", help="Averaged pseudo-gradient: a loco patch or safetensors."
+            "--update",
+            "-u",
+            metavar="UPDATE",
+            help="Averaged pseudo-gradient: a loco patch or safetensors.",
         ),
     ],
     output: Annotated[
@@ -110,11 +124,16 @@ def step(
     momentum: Annotated[
         Path | None,
         typer.Option(
-            "--momentum", "-m", help="Nesterov momentum buffer (safetensors); created if missing."
+            "--momentum",
+            "-m",
+            metavar="M",
+            help="Nesterov momentum buffer (safetensors); created if missing.",
         ),
     ] = None,
-    lr: Annotated[float, typer.Option("--lr", help="Outer learning rate.")] = 0.7,
-    beta: Annotated[float, typer.Option("--beta", help="Outer Nesterov momentum.")] = 0.9,
+    lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Outer learning rate.")] = 0.7,
+    beta: Annotated[
+        float, typer.Option("--beta", metavar="BETA", help="Outer Nesterov momentum.")
+    ] = 0.9,
     plain: Annotated[
         bool, typer.Option("--plain", help="Plain averaging: G2 = GLOBAL - UPDATE, no momentum.")
     ] = False,

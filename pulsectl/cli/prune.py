@@ -14,12 +14,15 @@ def prune(
     ctx: typer.Context,
     store: StoreUrl,
     keep_anchors: Annotated[
-        int, typer.Option("--keep-anchors", min=0, help="Keep the last A anchors.")
+        int, typer.Option("--keep-anchors", metavar="A", min=0, help="Keep the last A anchors.")
     ],
     keep_steps: Annotated[
         int,
         typer.Option(
-            "--keep-steps", min=0, help="Keep the last S steps, with everything they need."
+            "--keep-steps",
+            metavar="S",
+            min=0,
+            help="Keep the last S steps, with everything they need.",
         ),
     ],
     dry_run: Annotated[

@@ -25,13 +25,20 @@ def publish(
     checkpoint: Checkpoint,
     step: Annotated[
         int | None,
-        typer.Option("--step", "-s", min=0, help="Step number (default: the last published + 1)."),
+        typer.Option(
+            "--step",
+            "-s",
+            metavar="N",
+            min=0,
+            help="Step number (default: the last published + 1).",
+        ),
     ] = None,
     anchor_every: Annotated[
         int,
         typer.Option(
             "--anchor-every",
             "-k",
+            metavar="K",
             min=0,
             help="A full anchor at every multiple of K, and whenever the chain since the last "
             "anchor would pass K patches (0: only when needed).",
@@ -41,6 +48,7 @@ def publish(
         float,
         typer.Option(
             "--max-patch-fraction",
+            metavar="F",
             help="Publish an anchor instead of a patch over this fraction of the checkpoint.",
         ),
     ] = DEFAULT_MAX_PATCH_FRACTION,
@@ -49,18 +57,22 @@ def publish(
     ] = False,
     as_dtype: Annotated[
         str | None,
-        typer.Option("--as", help="Publish the cast (bf16, f16, f8_e4m3, f8_e5m2) of CKPT."),
+        typer.Option(
+            "--as", metavar="DTYPE", help="Publish the cast (bf16, f16, f8_e4m3, f8_e5m2) of CKPT."
+        ),
     ] = None,
     cache: Annotated[
         Path | None,
         typer.Option(
             "--cache",
+            metavar="DIR",
             help=f"Folder for the local copy of the last published step (default: ${CACHE_ENV} "
             "or ~/.cache/pulsectl/publish/<store>).",
         ),
     ] = None,
     level: Annotated[
-        str, typer.Option("--level", "-l", help="Patch level, as in `pulsectl diff`.")
+        str,
+        typer.Option("--level", "-l", metavar="LEVEL", help="Patch level, as in `pulsectl diff`."),
     ] = str(DEFAULT_LEVEL),
     workers: Workers = None,
 ) -> None:

@@ -22,14 +22,20 @@ def pull(
         typer.Option(
             "--output",
             "-o",
+            metavar="CKPT",
             help="The checkpoint to write; when it already holds a step of STORE, the rebuild "
             "starts from it.",
         ),
     ],
-    step: Annotated[str, typer.Option("--step", "-s", help="Step number, or 'latest'.")] = "latest",
+    step: Annotated[
+        str, typer.Option("--step", "-s", metavar="N", help="Step number, or 'latest'.")
+    ] = "latest",
     force: Force = False,
     prefetch: Annotated[
-        int, typer.Option("--prefetch", min=1, help="Objects fetched ahead of the one applying.")
+        int,
+        typer.Option(
+            "--prefetch", metavar="N", min=1, help="Objects fetched ahead of the one applying."
+        ),
     ] = DEFAULT_PREFETCH,
     workers: Workers = None,
 ) -> None:

@@ -14,7 +14,7 @@ from pulsectl.cli._output import Output
 def squash(
     ctx: typer.Context,
     patches: Annotated[
-        list[Path], typer.Argument(metavar="PATCH", help="Patch files in chain order.")
+        list[Path], typer.Argument(metavar="PATCH...", help="Patch files in chain order.")
     ],
     output: Annotated[
         Path, typer.Option("--output", "-o", metavar="PATCH", help="The squashed patch.")

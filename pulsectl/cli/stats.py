@@ -22,24 +22,35 @@ def stats(
     inputs: Annotated[
         list[str],
         typer.Argument(
+            metavar="INPUT...",
             help="OLD NEW (two checkpoints), PATCH (one .pulse file, '-' for stdin) or a chain "
-            "C0 C1 ... Cn (three or more checkpoints, or two with --k)."
+            "C0 C1 ... Cn (three or more checkpoints, or two with --k).",
         ),
     ],
     as_dtype: Annotated[
         str | None,
-        typer.Option("--as", help="Compare the casts (bf16, f16, f8_e4m3, f8_e5m2)."),
+        typer.Option(
+            "--as", metavar="DTYPE", help="Compare the casts (bf16, f16, f8_e4m3, f8_e5m2)."
+        ),
     ] = None,
     k: Annotated[
         str | None,
-        typer.Option("--k", help=f"Chain steps, e.g. {','.join(map(str, DEFAULT_KS))}."),
+        typer.Option(
+            "--k", metavar="KS", help=f"Chain steps, e.g. {','.join(map(str, DEFAULT_KS))}."
+        ),
     ] = None,
     as_json: JsonFlag = False,
     plot: Annotated[
         Path | None,
-        typer.Option("--plot", help="Also draw the figures to this PNG (needs pulsectl[plot])."),
+        typer.Option(
+            "--plot",
+            metavar="PNG",
+            help="Also draw the figures to this PNG (needs pulsectl[plot]).",
+        ),
     ] = None,
-    top: Annotated[int, typer.Option("--top", help="Tensors listed, most changes first.")] = 10,
+    top: Annotated[
+        int, typer.Option("--top", metavar="N", help="Tensors listed, most changes first.")
+    ] = 10,
     workers: Workers = None,
     device: FindDevice = "auto",
 ) -> None:
