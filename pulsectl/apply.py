@@ -31,6 +31,7 @@ from pulsectl.codecs._bits import add_moves
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
+    MAGIC,
     PatchReader,
     PatchSource,
     blocks_in,
@@ -88,6 +89,11 @@ def apply_patches(
         raise UsageError("no patch given")
     if sum(1 for p in patches if isinstance(p, (str, Path)) and str(p) == "-") > 1:
         raise UsageError("standard input ('-') can be given as a patch only once")
+    if _is_patch(base_path):
+        raise UsageError(
+            f"{base}: BASE is a .pulse patch; give the checkpoint first, then the patches "
+            "(pulsectl apply BASE PATCH... -o OUT)"
+        )
     if in_place:
         if out is not None and Path(out).resolve() != base_path.resolve():
             raise UsageError("--in-place writes to BASE; do not give -o as well")
@@ -811,3 +817,12 @@ def _check_space(out: Path, need: int) -> None:
             "free; free some space or write the output elsewhere",
             path=out,
         )
+
+
+def _is_patch(path: Path) -> bool:
+    """Whether ``path`` is a file that starts as a .pulse patch does."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False  # a folder, or missing: the checkpoint reader says what is wrong

@@ -50,6 +50,14 @@ MAX_JSON_BYTES = 256 * 1024 * 1024  # decompressed header or trailer
 JSON_ZSTD_LEVEL = 15
 
 
+def _looks_like(start: bytes) -> str:
+    """A hint for a file given where a patch was expected: a safetensors file starts with
+    its header's length (8 bytes, little-endian) and then its JSON header."""
+    if start[8:9] == b"{" and 2 <= int.from_bytes(start[:8], "little") < 1 << 32:
+        return "; it looks like a safetensors file"
+    return ""
+
+
 def canonical_json(obj: Any) -> bytes:
     """The one JSON spelling pulsectl writes: sorted keys, no spaces, ASCII only."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
@@ -149,7 +157,9 @@ class PatchReader:
         pre = self._read(PREAMBLE.size, "preamble", allow_short_magic=True)
         magic, version, flags, header_len, checksum = PREAMBLE.unpack(pre)
         if magic != MAGIC:
-            raise FormatError(f"{name}: not a .pulse patch (bad magic)", path=name)
+            raise FormatError(
+                f"{name}: not a .pulse patch (bad magic){_looks_like(pre)}", path=name
+            )
         if version != FORMAT_VERSION:
             raise FormatError(
                 f"{name}: .pulse version {version} is not supported by this pulsectl "
@@ -189,7 +199,10 @@ class PatchReader:
         data = _read_exact(self._stream, n)
         if len(data) != n:
             if allow_short_magic and not data.startswith(MAGIC[: len(data)]):
-                raise FormatError(f"{self.name}: not a .pulse patch (bad magic)", path=self.name)
+                raise FormatError(
+                    f"{self.name}: not a .pulse patch (bad magic){_looks_like(data)}",
+                    path=self.name,
+                )
             raise CorruptPatchError(
                 f"{self.name}: patch ends early in the {what} at byte {self.offset + len(data)} "
                 "(truncated download or interrupted pipe?)",

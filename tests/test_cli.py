@@ -397,7 +397,8 @@ def test_errors_on_bad_inputs(
     cases = [
         (["diff", str(tmp_path / "missing"), str(b), "-o", str(tmp_path / "x")], "missing"),
         (["diff", str(junk), str(b), "-o", str(tmp_path / "x")], "junk.safetensors"),
-        (["inspect", str(a)], "not a .pulse patch"),
+        (["inspect", str(a)], "not a .pulse patch (bad magic); it looks like a safetensors file"),
+        (["inspect", str(junk)], "not a .pulse patch (bad magic)"),
         (["inspect", str(tmp_path / "nope.pulse")], "nope.pulse"),
         (["apply", str(a), str(tmp_path / "nope.pulse"), "-o", str(tmp_path / "x")], "nope.pulse"),
         (["apply", str(a), str(p), "-o", str(tmp_path / "no" / "x")], "does not exist"),
@@ -408,6 +409,17 @@ def test_errors_on_bad_inputs(
         assert needle in _error_line(capsys.readouterr().err)
     assert not (tmp_path / "x").exists()
     assert not list(tmp_path.glob(TEMP_GLOB))
+
+
+def test_apply_with_the_patch_first_says_so(
+    tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """BASE and PATCH swapped: a usage error that says which comes first, not 'bad magic'."""
+    a, _b, p = pair
+    assert main(["apply", str(p), str(a), "-o", str(tmp_path / "x")]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"{p}: BASE is a .pulse patch; give the checkpoint first" in line
+    assert not (tmp_path / "x").exists()
 
 
 def test_quiet_silences_stderr(
