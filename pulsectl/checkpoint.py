@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 from pulsectl._atomic import discard, interrupts_deferred
 from pulsectl._dtypes import DTYPES
 from pulsectl.errors import FormatError, InputError, OutputError
+from pulsectl.format import MAGIC as PATCH_MAGIC
 
 if TYPE_CHECKING:  # numpy is imported only to write files: reading headers stays light
     import numpy as np
@@ -289,7 +290,10 @@ def read_header(path: str | Path) -> SafetensorsHeader:
                     " not a safetensors file",
                     path=path,
                 )
-            (header_len,) = _LEN_PREFIX.unpack(_read_exact(f, HEADER_LEN_BYTES, path))
+            prefix = _read_exact(f, HEADER_LEN_BYTES, path)
+            if prefix == PATCH_MAGIC:
+                raise FormatError(f"{path}: a .pulse patch, not a safetensors file", path=path)
+            (header_len,) = _LEN_PREFIX.unpack(prefix)
             _check_header_len(header_len, file_size, path)
             raw = _read_exact(f, header_len, path)
     except FileNotFoundError:

@@ -403,6 +403,8 @@ def test_errors_on_bad_inputs(
         (["apply", str(a), str(tmp_path / "nope.pulse"), "-o", str(tmp_path / "x")], "nope.pulse"),
         (["apply", str(a), str(p), "-o", str(tmp_path / "no" / "x")], "does not exist"),
         (["hash", str(tmp_path / "missing")], "missing"),
+        (["hash", str(p)], f"{p}: a .pulse patch, not a safetensors file"),
+        (["diff", str(a), str(p), "-o", str(tmp_path / "x")], "a .pulse patch, not a safetensors"),
     ]
     for argv, needle in cases:
         assert main(argv) == 1, argv
