@@ -203,6 +203,12 @@ class PatchReader:
                     f"{self.name}: not a .pulse patch (bad magic){_looks_like(data)}",
                     path=self.name,
                 )
+            if allow_short_magic and not data:
+                raise CorruptPatchError(
+                    f"{self.name}: empty: no patch bytes arrived (did the command that writes "
+                    "it fail?)",
+                    path=self.name,
+                )
             raise CorruptPatchError(
                 f"{self.name}: patch ends early in the {what} at byte {self.offset + len(data)} "
                 "(truncated download or interrupted pipe?)",

@@ -62,6 +62,21 @@ def test_diff_pipe_apply(ab: Path) -> None:
     assert not list(ab.glob(TEMP_GLOB))
 
 
+def test_a_failed_diff_upstream_leaves_apply_an_empty_pipe_and_apply_says_so(ab: Path) -> None:
+    """diff fails (its NEW is missing) and writes nothing; apply at the other end of the pipe
+    says that no patch arrived, not that a patch is damaged, and writes nothing."""
+    r = sh("pulsectl diff a.safetensors gone.safetensors | pulsectl apply a.safetensors - -o c", ab)
+    assert r.returncode == 3, r.stderr
+    lines = r.stderr.decode().strip().splitlines()
+    assert len(lines) == 2, r.stderr
+    assert "gone.safetensors" in lines[0]
+    assert lines[1] == (
+        "pulsectl: error: <stdin>: empty: no patch bytes arrived (did the command that writes "
+        "it fail?)"
+    )
+    assert not (ab / "c").exists()
+
+
 def test_redirect_and_dash_o_give_the_same_patch(ab: Path) -> None:
     r = sh(
         "pulsectl diff a.safetensors b.safetensors > p1 && "
