@@ -25,6 +25,7 @@ from pulsectl import _zstd
 from pulsectl.errors import CorruptPatchError, FormatError, InputError
 
 MAGIC = b"\x89PULSE\r\n"
+STDIN_NAME = "<stdin>"  # how messages name a patch read from standard input
 END_MAGIC = b"PULSEEND"
 FORMAT_VERSION = 1
 FRAME_TAG = b"PFRM"
@@ -128,7 +129,7 @@ def open_patch(source: PatchSource, stdin: BinaryIO | None = None) -> tuple[Patc
     if isinstance(source, (str, Path)):
         if str(source) == "-":
             stream = stdin or sys.stdin.buffer
-            name = "<stdin>"
+            name = STDIN_NAME
         else:
             try:
                 stream = open(source, "rb")  # noqa: SIM115 - closed by the caller
@@ -204,11 +205,12 @@ class PatchReader:
                     path=self.name,
                 )
             if allow_short_magic and not data:
-                raise CorruptPatchError(
-                    f"{self.name}: empty: no patch bytes arrived (did the command that writes "
-                    "it fail?)",
-                    path=self.name,
+                hint = (
+                    "no patch bytes arrived (did the command that writes it fail?)"
+                    if self.name == STDIN_NAME
+                    else "0 bytes, no patch in it"
                 )
+                raise CorruptPatchError(f"{self.name}: empty: {hint}", path=self.name)
             raise CorruptPatchError(
                 f"{self.name}: patch ends early in the {what} at byte {self.offset + len(data)} "
                 "(truncated download or interrupted pipe?)",

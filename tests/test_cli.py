@@ -424,6 +424,20 @@ def test_apply_with_the_patch_first_says_so(
     assert not (tmp_path / "x").exists()
 
 
+def test_an_empty_patch_file_is_called_empty(
+    tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _b, _p = pair
+    empty = tmp_path / "empty.pulse"
+    empty.write_bytes(b"")
+    for argv in (["inspect", str(empty)], ["apply", str(a), str(empty), "-o", str(tmp_path / "x")]):
+        assert main(argv) == 3, argv
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: {empty}: empty: 0 bytes, no patch in it"
+        )
+    assert not (tmp_path / "x").exists()
+
+
 def test_quiet_silences_stderr(
     pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
