@@ -107,6 +107,8 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
     old file or the new one). ``durable`` also fsyncs before the rename, so that a power loss
     cannot leave an empty file behind the new name.
     """
+    if path.is_dir():
+        raise OutputError(f"{path}: is a folder; give a file path for the output", path=path)
     check_target(path, force)
     tmp: Path | None = None
     out: BinaryIO | None = None

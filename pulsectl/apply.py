@@ -104,7 +104,8 @@ def apply_patches(
         out_path = Path(out)
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
-        check_target(out_path, force)
+        if not out_path.is_dir():  # a folder is checked once the patch says what it makes
+            check_target(out_path, force)
     workers = workers or default_workers()
 
     with contextlib.ExitStack() as stack:
@@ -141,6 +142,14 @@ def apply_patches(
             refs = list(first_header.base_files)
             current_fp = first_header.base_fingerprint
             _check_base_files(first_header, current, base_path, first.name)
+        if out_path.is_dir() and not in_place:
+            if first_header.layout == "file":
+                raise OutputError(
+                    f"{out_path}: is a folder, and the patch makes a single file; give the "
+                    "file's path (-o FOLDER/model.safetensors)",
+                    path=out_path,
+                )
+            check_target(out_path, force)
         _check_space(out_path, first_header.target_bytes)
 
         temps: list[Path] = []

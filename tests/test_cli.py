@@ -284,6 +284,39 @@ def test_apply_in_place_folder(sharded_chain: list[Path], tmp_path: Path) -> Non
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt", "p.pulse"]
 
 
+def test_an_existing_folder_as_output(
+    pair: tuple[Path, Path, Path],
+    sharded_chain: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A single-file output given as a folder is refused as such (-f would not help); a
+    folder checkpoint's output folder that exists needs -f, and -f replaces it."""
+    a, b, p = pair
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    for force in ([], ["-f"]):
+        assert main(["apply", str(a), str(p), "-o", str(folder), *force]) == 1
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: {folder}: is a folder, and the patch makes a single file; give "
+            "the file's path (-o FOLDER/model.safetensors)"
+        )
+        assert main(["diff", str(a), str(b), "-o", str(folder), *force]) == 1
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: {folder}: is a folder; give a file path for the output"
+        )
+    assert [x.name for x in folder.iterdir()] == ["keep.txt"]
+
+    sp = tmp_path / "s.pulse"
+    assert main(["-q", "diff", str(sharded_chain[0]), str(sharded_chain[1]), "-o", str(sp)]) == 0
+    argv = ["apply", str(sharded_chain[0]), str(sp), "-o", str(folder)]
+    assert main(argv) == 1
+    assert "output exists; pass -f to overwrite" in _error_line(capsys.readouterr().err)
+    assert main(["-q", *argv, "-f"]) == 0
+    assert tree_bytes(folder) == tree_bytes(sharded_chain[1])
+
+
 def test_hash_format(
     pair: tuple[Path, Path, Path], sharded_chain: list[Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
