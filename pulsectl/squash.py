@@ -90,6 +90,11 @@ def squash_patches(
     out = Path(out)
     if base is not None:
         return _squash_with_base(patches, out, Path(base), force, options, infos, input_bytes)
+    if options is not None and options.context:
+        raise UsageError(
+            "--level max needs --base: its codec orders each block by the base words; without "
+            "the base squash can only write the default codecs (give a level 1..22)"
+        )
     block_bytes = {i.header.block_bytes for i in infos}
     if len(block_bytes) != 1:
         raise UsageError("the patches use different block sizes; squash them with --base")

@@ -94,6 +94,12 @@ def test_max_level_chains_need_the_base(tmp_path: Path):
     with pytest.raises(UsageError, match="--base"):
         squash_patches(patches, tmp_path / "x.pulse")
     assert not (tmp_path / "x.pulse").exists()
+    # Asked for --level max without the base: refused, not quietly written at another level.
+    (tmp_path / "fast").mkdir()
+    fast = _patches(tmp_path / "fast", chain, FAST)
+    with pytest.raises(UsageError, match="--level max needs --base"):
+        squash_patches(fast, tmp_path / "z.pulse", options=MAX)
+    assert not (tmp_path / "z.pulse").exists()
     squash_patches(patches, tmp_path / "y.pulse", base=chain[0], options=MAX)
     apply_patches(chain[0], [tmp_path / "y.pulse"], tmp_path / "out.safetensors")
     assert (tmp_path / "out.safetensors").read_bytes() == chain[-1].read_bytes()
