@@ -227,9 +227,19 @@ def test_cli_tables(chain: list[Path], capsys: pytest.CaptureFixture[str]) -> No
     assert "k-step density" in text and "sparsity" in text
 
 
-def test_cli_usage_errors(chain: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["stats", str(chain[0]), "--as", "bf16"]) == 2
-    assert "--as and --k need checkpoints" in capsys.readouterr().err
+def test_cli_usage_errors(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    patch = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch)]) == 0
+    assert main(["stats", str(patch), "--as", "bf16"]) == 2
+    assert "--as and --k need checkpoints, not a patch" in capsys.readouterr().err
+    for one in (chain[0], chain[0].parent):  # a single file, a folder
+        assert main(["stats", str(one)]) == 2
+        assert (
+            f"{one}: one checkpoint has no update to count; give OLD NEW, a PATCH, or a chain"
+            in capsys.readouterr().err
+        )
     assert main(["stats", str(chain[0]), str(chain[1]), "--k", "0,x"]) == 2
     assert "give positive integers" in capsys.readouterr().err
 

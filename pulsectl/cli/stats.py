@@ -60,6 +60,11 @@ def stats(
 
     out: Output = ctx.obj
     if len(inputs) == 1:
+        if Path(inputs[0]).is_dir() or inputs[0].endswith(".safetensors"):
+            raise UsageError(
+                f"{inputs[0]}: one checkpoint has no update to count; give OLD NEW, a PATCH, "
+                "or a chain C0 C1 ... Cn"
+            )
         if as_dtype is not None or k is not None:
             raise UsageError("--as and --k need checkpoints, not a patch")
         doc = patch_stats(inputs[0]).to_json()
