@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pulsectl.checkpoint import Checkpoint
+from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.errors import IntegrityError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
@@ -41,6 +41,12 @@ class PatchInfo:
     def to_json(self) -> dict[str, Any]:
         """The documented `inspect --json` object (docs/CLI.md)."""
         tensors = []
+        infos: dict[tuple[int, str], TensorInfo] = {
+            (f, t.name): t
+            for f, tfile in enumerate(self.header.files)
+            if tfile.header is not None
+            for t in tfile.header.tensors
+        }
         for item, result in zip(self.header.items, self.trailer.items, strict=True):
             tfile = self.header.files[item.file]
             entry: dict[str, Any] = {
@@ -57,7 +63,7 @@ class PatchInfo:
                 "fingerprint": result.fingerprint,
             }
             if tfile.header is not None and item.name is not None:
-                info = next(t for t in tfile.header.tensors if t.name == item.name)
+                info = infos[(item.file, item.name)]
                 entry["dtype"], entry["shape"] = info.dtype, list(info.shape)
             tensors.append(entry)
         total = self.total_words
