@@ -124,6 +124,21 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _other_format(prefix: bytes) -> str:
+    """What a file that is not safetensors is, by its first bytes, where that is well known:
+    the start of an error message, '' otherwise."""
+    torch_file = "not a safetensors file; convert the state dict with safetensors.torch.save_file"
+    if prefix == PATCH_MAGIC:
+        return "a .pulse patch, not a safetensors file"
+    if prefix.startswith(b"PK\x03\x04"):
+        return f"a zip archive (torch.save's .pt or .bin?), {torch_file}"
+    if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return f"a pickle (an older torch.save .bin?), {torch_file}"
+    if prefix.startswith(b"GGUF"):
+        return "a GGUF file, not a safetensors file"
+    return ""
+
+
 def _check_header_len(header_len: int, file_size: int, path: str | Path) -> None:
     if header_len == 0:
         raise FormatError(f"{path}: header length is 0; not a safetensors file", path=path)
@@ -291,8 +306,9 @@ def read_header(path: str | Path) -> SafetensorsHeader:
                     path=path,
                 )
             prefix = _read_exact(f, HEADER_LEN_BYTES, path)
-            if prefix == PATCH_MAGIC:
-                raise FormatError(f"{path}: a .pulse patch, not a safetensors file", path=path)
+            other = _other_format(prefix)
+            if other:
+                raise FormatError(f"{path}: {other}", path=path)
             (header_len,) = _LEN_PREFIX.unpack(prefix)
             _check_header_len(header_len, file_size, path)
             raw = _read_exact(f, header_len, path)

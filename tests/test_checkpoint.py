@@ -31,6 +31,7 @@ from pulsectl.checkpoint import (
     save_safetensors,
 )
 from pulsectl.errors import FormatError, InputError, OutputError
+from pulsectl.format import MAGIC
 
 # torch dtype -> safetensors dtype string, for every dtype safetensors.torch can save.
 TORCH_DTYPES: dict[torch.dtype, str] = {
@@ -473,6 +474,27 @@ def test_file_shorter_than_8_bytes(tmp_path: Path) -> None:
     path.write_bytes(b"\x01\x02\x03")
     with pytest.raises(FormatError, match="file is 3 bytes, shorter than the 8-byte header"):
         read_header(path)
+
+
+def test_other_formats_are_named(tmp_path: Path) -> None:
+    """Files people mistake for safetensors ones are named by what they are: torch.save's zip
+    and its older pickle (written by torch here), a GGUF file and a .pulse patch."""
+    state = {"w": torch.zeros(3)}
+    torch.save(state, tmp_path / "new.pt")
+    torch.save(state, tmp_path / "old.bin", _use_new_zipfile_serialization=False)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(32))
+    (tmp_path / "p.pulse").write_bytes(MAGIC + bytes(32))
+    convert = "not a safetensors file; convert the state dict with safetensors.torch.save_file"
+    expected = {
+        "new.pt": f"a zip archive (torch.save's .pt or .bin?), {convert}",
+        "old.bin": f"a pickle (an older torch.save .bin?), {convert}",
+        "m.gguf": "a GGUF file, not a safetensors file",
+        "p.pulse": "a .pulse patch, not a safetensors file",
+    }
+    for name, message in expected.items():
+        with pytest.raises(FormatError) as info:
+            read_header(tmp_path / name)
+        assert str(info.value) == f"{tmp_path / name}: {message}"
 
 
 def test_header_length_zero(tmp_path: Path) -> None:
