@@ -124,13 +124,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # then the version needed (never 0): a length over the limit
+
+
 def _other_format(prefix: bytes) -> str:
     """What a file that is not safetensors is, by its first bytes, where that is well known:
     the start of an error message, '' otherwise."""
     torch_file = "not a safetensors file; convert the state dict with safetensors.torch.save_file"
     if prefix == PATCH_MAGIC:
         return "a .pulse patch, not a safetensors file"
-    if prefix.startswith(b"PK\x03\x04"):
+    if prefix.startswith(_ZIP_MAGIC):
         return f"a zip archive (torch.save's .pt or .bin?), {torch_file}"
     if prefix[:1] == b"\x80" and prefix[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return f"a pickle (an older torch.save .bin?), {torch_file}"
@@ -306,11 +309,16 @@ def read_header(path: str | Path) -> SafetensorsHeader:
                     path=path,
                 )
             prefix = _read_exact(f, HEADER_LEN_BYTES, path)
-            other = _other_format(prefix)
-            if other:
-                raise FormatError(f"{path}: {other}", path=path)
             (header_len,) = _LEN_PREFIX.unpack(prefix)
-            _check_header_len(header_len, file_size, path)
+            try:
+                _check_header_len(header_len, file_size, path)
+            except FormatError as exc:
+                # Only a file that cannot be safetensors is named as something else: the
+                # first bytes of a valid file are any length up to MAX_HEADER_BYTES.
+                other = _other_format(prefix)
+                if other:
+                    raise FormatError(f"{path}: {other}", path=path) from None
+                raise exc
             raw = _read_exact(f, header_len, path)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file or directory", path=path) from None

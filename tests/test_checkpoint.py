@@ -497,6 +497,20 @@ def test_other_formats_are_named(tmp_path: Path) -> None:
         assert str(info.value) == f"{tmp_path / name}: {message}"
 
 
+@pytest.mark.parametrize("header_len", [0x280, 0x380, 0x480, 0x580, 0x04034B50 & ~7])
+def test_valid_files_whose_first_bytes_look_like_other_formats(
+    tmp_path: Path, header_len: int
+) -> None:
+    """A header of 640 bytes starts the file with 80 02, as a pickle starts; one of about 67 MB
+    with 'PK', as a zip does. Such files are read as the safetensors files they are."""
+    raw = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    raw += b" " * (header_len - len(raw))
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", header_len) + raw + struct.pack("<2f", 1.5, -2.0))
+    assert read_header(path).tensors[0].name == "w"
+    np.testing.assert_array_equal(safetensors.numpy.load_file(path)["w"], [1.5, -2.0])
+
+
 def test_header_length_zero(tmp_path: Path) -> None:
     err = _bad(tmp_path, b"", b"abc")
     assert "header length is 0" in str(err)
