@@ -312,13 +312,13 @@ def read_header(path: str | Path) -> SafetensorsHeader:
             (header_len,) = _LEN_PREFIX.unpack(prefix)
             try:
                 _check_header_len(header_len, file_size, path)
-            except FormatError as exc:
+            except FormatError:
                 # Only a file that cannot be safetensors is named as something else: the
                 # first bytes of a valid file are any length up to MAX_HEADER_BYTES.
                 other = _other_format(prefix)
                 if other:
                     raise FormatError(f"{path}: {other}", path=path) from None
-                raise exc
+                raise
             raw = _read_exact(f, header_len, path)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file or directory", path=path) from None
