@@ -2698,6 +2698,7 @@ done:
 
 #if HAVE_GUARDED_MAPS
 #define GUARD_SLOTS 1024
+#define HUGE_SPAN (2LL << 20)
 #define LABEL_BYTES 1024
 #define CLEANUP_SLOTS 64
 #define CLEANUP_BYTES 4096
@@ -2816,7 +2817,16 @@ static PyObject *map_file(PyObject *self, PyObject *args) {
     if (slot < 0 || install_handler() != 0) Py_RETURN_NONE; /* the caller reads instead */
     long page = sysconf(_SC_PAGESIZE);
     long long aligned = offset - offset % (page > 0 ? page : 4096);
-    size_t map_len = (size_t)(offset - aligned) + (size_t)length;
+    long long map_end = offset + (long long)length;
+    if (length >= HUGE_SPAN) {
+        /* Ranges of 2 MiB and more are widened to 2 MiB boundaries of the file (within it):
+         * the kernel then places the map so that the page cache's 2 MiB folios are mapped
+         * whole, one fault each instead of one per 64 KiB. */
+        aligned = offset - offset % HUGE_SPAN;
+        long long end = map_end + (HUGE_SPAN - map_end % HUGE_SPAN) % HUGE_SPAN;
+        map_end = end < (long long)st.st_size ? end : (long long)st.st_size;
+    }
+    size_t map_len = (size_t)(map_end - aligned);
     guard_taken[slot] = 1;
     void *map;
     Py_BEGIN_ALLOW_THREADS

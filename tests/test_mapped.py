@@ -45,6 +45,39 @@ def test_a_map_holds_the_bytes_pread_reads(tmp_path_factory, size: int, offset: 
         os.close(fd)
 
 
+HUGE = 2 << 20
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("offset", "size"),
+    [
+        (0, HUGE),
+        (1, HUGE),
+        (4095, 2 * HUGE + 1),
+        (HUGE, HUGE),
+        (HUGE + 3, 2 * HUGE - 3),  # to the last 2 MiB boundary
+        (HUGE - 1, 2 * HUGE + 1234),  # to the end of the file, past the last boundary
+        (5, 3 * HUGE + 1228),  # ends one byte before the end
+    ],
+)
+def test_a_map_widened_to_2_mib_boundaries_holds_the_bytes_pread_reads(
+    tmp_path: Path, offset: int, size: int
+) -> None:
+    # Ranges of 2 MiB and more are mapped from and to 2 MiB boundaries of the file, never past
+    # its end (pulsectl/_speedups.c, map_file): the array is still exactly the range asked for.
+    path = tmp_path / "data"
+    path.write_bytes(np.random.default_rng(offset).bytes(3 * HUGE + 1234))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = map_range(fd, offset, size, str(path))
+        assert mapped is not None
+        assert mapped.size == size
+        assert mapped.tobytes() == pread_array(fd, offset, size, str(path)).tobytes()
+    finally:
+        os.close(fd)
+
+
 @needs_native
 def test_a_range_past_the_end_is_refused(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "short"
