@@ -18,7 +18,7 @@ from typing import BinaryIO, Literal
 
 import numpy as np
 
-from pulsectl import __version__
+from pulsectl import __version__, _prehash
 from pulsectl._atomic import atomic_file
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import BufferPool, default_workers, ordered_map, window_for
@@ -41,7 +41,7 @@ from pulsectl.format import (
 )
 from pulsectl.hashing import checkpoint_fingerprint, new_hasher, update_both
 from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
-from pulsectl.sources import FileSource, Source, scan
+from pulsectl.sources import FileSource, Source, scan, tensor_fingerprints
 
 Progress = Callable[[int, int], None]
 
@@ -249,6 +249,8 @@ class _Scan(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+        if self.is_alive():
+            _prehash.stop()  # it may be waiting for the child's fingerprints of the base
         self.join()
 
 
@@ -382,6 +384,7 @@ def _write_frames(
     pending = next(item_iter, None)
     for fi, tfile in enumerate(files):
         whole = new_hasher()
+        ahead = _hashed_ahead(target, fi, tfile)  # this file's fingerprints, when known already
         if tfile.header is not None:
             whole.update(struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw)
             done += 8 + len(tfile.header.raw)
@@ -393,16 +396,19 @@ def _write_frames(
             changed = 0
             for _ in range(nblocks):
                 data, enc = next(results)
-                update_both(h, whole, data)
+                if ahead is None:
+                    update_both(h, whole, data)
                 pool.give(data)
                 encoded += held.add_block(enc.codec, enc.payload)
                 changed += enc.changed
                 done += data.size
                 if progress is not None:
                     progress(done, total)
-            item_results.append(ItemResult(h.hexdigest(), changed, encoded))
+            fp = h.hexdigest() if ahead is None else ahead.ranges[(item.start, item.nbytes)]
+            item_results.append(ItemResult(fp, changed, encoded))
             pending = next(item_iter, None)
-        file_refs.append(FileRef(tfile.path, tfile.size, whole.hexdigest()))
+        fp = whole.hexdigest() if ahead is None else ahead.file
+        file_refs.append(FileRef(tfile.path, tfile.size, fp))
     writer = held.writer()
     header = held.header
     assert header is not None
@@ -424,6 +430,17 @@ def _write_frames(
         total_words=sum(i.nbytes // i.word for i in header.items),
         items=len(header.items),
     )
+
+
+def _hashed_ahead(target: Source, index: int, tfile: TargetFile) -> _prehash.Hashed | None:
+    """The fingerprints of NEW's file ``index`` and of each of its tensors, if a child hashed
+    them while the CLI loaded (pulsectl._prehash)."""
+    if not isinstance(target, FileSource) or tfile.header is None:
+        return None
+    ahead = _prehash.lookup(target.fd(index), tfile.header.raw)
+    if ahead is None or tensor_fingerprints(tfile.header.tensors, ahead) is None:
+        return None
+    return ahead
 
 
 def _encode_task(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from pulsectl import _prehash
 from pulsectl.errors import InputError
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ def fingerprint_file(path: str | Path) -> str:
     hasher = new_hasher()
     try:
         with open(path, "rb", buffering=0) as f:
+            ahead = _prehash.lookup(f.fileno(), None)
+            if ahead is not None:  # hashed while the CLI loaded
+                return ahead.file
             # A small file gets a small buffer (a 16 MiB zero-fill per config.json adds up).
             buf = bytearray(max(1, min(READ_CHUNK, os.fstat(f.fileno()).st_size)))
             view = memoryview(buf)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import numpy as np
 
+from pulsectl import _prehash
 from pulsectl._io import map_range, pread_array, pread_into
 from pulsectl.checkpoint import Checkpoint, FileEntry, TensorInfo
 from pulsectl.errors import InputError
@@ -107,6 +109,14 @@ def scan(
     ``stop``, once set, ends the scan (``Stopped``) at its next chunk of a safetensors file.
     """
     entry = source.files[index]
+    if isinstance(source, FileSource):
+        ahead = _prehash.lookup(source.fd(index), entry.header.raw if entry.header else None)
+        if ahead is not None:
+            if entry.header is None:
+                return FileRef(entry.relpath, entry.size, ahead.file), {}
+            fps = tensor_fingerprints(entry.header.tensors, ahead)
+            if fps is not None:
+                return FileRef(entry.relpath, entry.size, ahead.file), fps
     if entry.header is None:
         if isinstance(source, FileSource):
             return FileRef(entry.relpath, entry.size, fingerprint_file(entry.path)), {}
@@ -139,3 +149,17 @@ def scan(
             update_both(h, whole, chunk)
         tensors[t.name] = h.hexdigest()
     return FileRef(entry.relpath, entry.size, whole.hexdigest()), tensors
+
+
+def tensor_fingerprints(
+    tensors: Sequence[TensorInfo], ahead: _prehash.Hashed
+) -> dict[str, str] | None:
+    """Each tensor's fingerprint from those hashed ahead (pulsectl._prehash), or None if one
+    is missing there."""
+    fps: dict[str, str] = {}
+    for t in tensors:
+        fp = ahead.ranges.get((t.start, t.nbytes))
+        if fp is None:
+            return None
+        fps[t.name] = fp
+    return fps

@@ -51,6 +51,10 @@ def run() -> None:
     _keep_freed_memory()
     _quiet_blas()
     try:
+        # Before the heavy imports: a child hashes the input files meanwhile (pulsectl._prehash).
+        from pulsectl import _prehash
+
+        _prehash.start(sys.argv[1:])
         from pulsectl.cli.app import main
     except KeyboardInterrupt:
         sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
