@@ -34,7 +34,6 @@ from pulsectl.cast import cast_temporaries, target_dtype
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import (
     CODEC_CONTEXT,
-    CODEC_DELTA,
     CODEC_RICE,
     DELTA_CODECS,
     context,
@@ -468,7 +467,10 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
             for b in range(nblocks):
                 block = reader.read_block(max_payload, f"tensor {item.label!r} block {b}")
                 if block.codec in DELTA_CODECS and item.name is not None:
-                    part = delta_payload_histogram(block.payload, item.word, block.codec)
+                    nwords = min(header.block_bytes, item.nbytes - b * header.block_bytes)
+                    part = delta_payload_histogram(
+                        block.payload, item.word, block.codec, nwords // item.word
+                    )
                     hist = [a + c for a, c in zip(hist, part, strict=True)]
             histograms.append(hist)
         trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
@@ -514,15 +516,17 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
     return UpdateStats("patch", inputs, tensors, blobs, size, header.target_bytes)
 
 
-def delta_payload_histogram(payload: bytes, word: int, codec: int = CODEC_DELTA) -> Histogram:
-    """Word-delta histogram of a delta payload (codecs 3-7), from its moves alone (no base)."""
+def delta_payload_histogram(payload: bytes, word: int, codec: int, nwords: int) -> Histogram:
+    """Word-delta histogram of a delta payload (codecs 3-7) of a block of ``nwords`` words,
+    from its moves alone (no base). A payload claiming more changes than ``nwords`` is
+    damaged: the bound keeps a hostile count from sizing what decoding allocates."""
     codec, paired = plain_codec(codec)
     if codec == CODEC_CONTEXT:
-        moved = context.decode_moves_only(payload, word, paired)
+        moved = context.decode_moves_only(payload, word, nwords, paired)
     elif codec == CODEC_RICE:
-        _, moved = rice.decode_moves(payload, word, 1 << 62, paired)
+        _, moved = rice.decode_moves(payload, word, nwords, paired)
     else:
-        _, moved = delta.decode_moves(payload, word, 1 << 62)
+        _, moved = delta.decode_moves(payload, word, nwords)
     utype = _UINT[word]
     magnitude = np.minimum(moved, ~moved + utype(1))  # |moved| as a signed number
     if not magnitude.all():

@@ -286,3 +286,37 @@ def test_stats_patch_histogram_from_context_blocks(tmp_path):
     assert all(got[k] <= want[k] for k in ("1", "2", "3-8", ">8"))
     assert sum(want[k] - got[k] for k in ("1", "2", "3-8", ">8")) == got["no_delta"]
     assert got["1"] > 0.8 * want["1"]  # the context blocks were read, not skipped
+
+
+@pytest.mark.parametrize("codec", [3, 4, 5, 6, 7])
+def test_a_delta_payload_claiming_more_changes_than_its_block_has_is_damaged(codec: int) -> None:
+    # `stats PATCH` decodes moves without the base; the block's size must bound the count a
+    # payload claims, or a hostile count (valid checksums: a buggy or hostile writer) sizes the
+    # arrays decoding allocates (fuzz seed 15013: 16 GiB for a 76-byte payload).
+    from pulsectl import codecs
+    from pulsectl.codecs import context, delta, rice
+    from pulsectl.codecs._bits import change_planes
+    from pulsectl.errors import CorruptPatchError
+    from pulsectl.stats import delta_payload_histogram
+
+    rng = np.random.default_rng(codec)
+    old = rng.integers(0x3C00, 0x3E00, 1 << 16, dtype=np.uint16)
+    new = old.copy()
+    at = np.sort(rng.choice(1 << 16, 20_000, replace=False))
+    new[at] += rng.choice(np.array([1, 2, 3, 0xFFFF, 0xFFFE], dtype=np.uint16), at.size)
+    o8, n8 = old.view(np.uint8), new.view(np.uint8)
+    plain, paired = codecs.plain_codec(codec)
+    if plain == codecs.CODEC_CONTEXT:
+        payload, was_paired = context.encode(o8, n8, 2, at, (7, 8), 3, pair=paired)
+        assert was_paired == paired
+    else:
+        values = change_planes(o8, n8, at, 2, 3, pair=paired)
+        assert values.paired == paired
+        if plain == codecs.CODEC_RICE:
+            payload = rice.encode_moves(at, None, 2, 3, values=values)
+        else:
+            payload = delta.encode_moves(at, None, 2, 3, values=values.plain())
+    assert sum(delta_payload_histogram(payload, 2, codec, 1 << 16)) == 20_000  # sound as made
+    hostile = (0xFFFF_FFF0).to_bytes(4, "little") + payload[4:]  # the count comes first
+    with pytest.raises(CorruptPatchError, match="claims 4294967280 changes in 65536 words"):
+        delta_payload_histogram(hostile, 2, codec, 1 << 16)

@@ -283,8 +283,9 @@ def decode_moves(
     return positions, unpack_moves(view, offset, count, word, paired)
 
 
-def decode_moves_only(payload: bytes, word: int, paired: bool = False) -> np.ndarray:
-    """The moves (``new - old``, unsigned) of a context payload, without the base.
+def decode_moves_only(payload: bytes, word: int, nwords: int, paired: bool = False) -> np.ndarray:
+    """The moves (``new - old``, unsigned) of a context payload of a block of ``nwords``
+    words, without the base.
 
     Their positions need the base words; the moves alone give statistics (``stats PATCH``).
     """
@@ -294,6 +295,8 @@ def decode_moves_only(payload: bytes, word: int, paired: bool = False) -> np.nda
     count, pword, _, bits, r1, ncontexts, r2 = _HEAD.unpack_from(payload, 0)
     if pword != word or r1 or r2 or not 1 <= bits <= 16 or count == 0 or ncontexts == 0:
         raise CorruptPatchError("context block header is damaged")
+    if count > nwords:
+        raise CorruptPatchError(f"context block claims {count} changes in {nwords} words")
     offset = _HEAD.size
     for _ in range(3):  # the context table, the unary and the remainder streams
         _, offset = take_sized(view, offset)
