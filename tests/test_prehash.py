@@ -191,6 +191,25 @@ def test_a_different_header_gets_only_the_file_fingerprint(tmp_path: Path, start
     assert hashed.ranges == {}
 
 
+@needs_fork
+def test_new_is_hashed_ahead_only_while_the_wait_for_it_stays_short(
+    tmp_path: Path, started, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # diff hashes NEW alongside its encoding otherwise: for big files it must not wait for a
+    # child that hashes OLD and then NEW.
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file(_tensors([5000], 6), str(a))
+    save_file(_tensors([5000], 7), str(b))
+    monkeypatch.setattr(_prehash, "WAIT_BYTES", a.stat().st_size + b.stat().st_size - 1)
+    started(["diff", str(a), str(b)])
+    assert _prehash._child is not None
+    assert _prehash._child.keys == {(a.stat().st_dev, a.stat().st_ino)}
+    with open(b, "rb") as f:
+        assert _prehash.lookup(f.fileno(), None) is None
+    with open(a, "rb") as f:
+        assert _prehash.lookup(f.fileno(), None) is not None
+
+
 def test_no_child_without_fork_or_when_turned_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
