@@ -165,6 +165,12 @@ class _Child:
                 *lines, self._partial = (self._partial + data).split(b"\n")
                 for line in lines:
                     self._take(line)
+            if not self.ended and self.keys <= self.results.keys():
+                # Every file is in: the child is exiting; reap it now, not at exit.
+                with contextlib.suppress(OSError):
+                    while os.read(self.rfd, 1 << 16):
+                        pass
+                self._end()
             return self.results.get(key)
 
     def _take(self, line: bytes) -> None:
@@ -248,6 +254,18 @@ def stop() -> None:
     """End the child (if it still runs) and reap it."""
     if _child is not None:
         _child.stop()
+
+
+def expects(fd: int) -> bool:
+    """Whether the child is hashing (or has hashed) the file open at ``fd``; never waits."""
+    child = _child
+    if child is None:
+        return False
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in child.keys
 
 
 def lookup(fd: int, header_raw: bytes | None) -> Hashed | None:

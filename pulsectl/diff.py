@@ -41,7 +41,7 @@ from pulsectl.format import (
 )
 from pulsectl.hashing import checkpoint_fingerprint, new_hasher, update_both
 from pulsectl.patch import FileRef, Item, ItemResult, PatchHeader, PatchTrailer, TargetFile
-from pulsectl.sources import FileSource, Source, scan, tensor_fingerprints
+from pulsectl.sources import FileSource, Source, scan
 
 Progress = Callable[[int, int], None]
 
@@ -384,10 +384,13 @@ def _write_frames(
     pending = next(item_iter, None)
     for fi, tfile in enumerate(files):
         whole = new_hasher()
-        ahead = _hashed_ahead(target, fi, tfile)  # this file's fingerprints, when known already
+        # A child hashing this file while the CLI loaded (pulsectl._prehash): its fingerprints
+        # are taken once the file's blocks are done, so that nothing waits for them before.
+        ahead = isinstance(target, FileSource) and _prehash.expects(target.fd(fi))
         if tfile.header is not None:
             whole.update(struct.pack("<Q", len(tfile.header.raw)) + tfile.header.raw)
             done += 8 + len(tfile.header.raw)
+        first_result = len(item_results)
         while pending is not None and pending[1].file == fi:
             index, item = pending
             nblocks = blocks_in(item.nbytes, bb)
@@ -396,7 +399,7 @@ def _write_frames(
             changed = 0
             for _ in range(nblocks):
                 data, enc = next(results)
-                if ahead is None:
+                if not ahead:
                     update_both(h, whole, data)
                 pool.give(data)
                 encoded += held.add_block(enc.codec, enc.payload)
@@ -404,11 +407,18 @@ def _write_frames(
                 done += data.size
                 if progress is not None:
                     progress(done, total)
-            fp = h.hexdigest() if ahead is None else ahead.ranges[(item.start, item.nbytes)]
-            item_results.append(ItemResult(fp, changed, encoded))
+            item_results.append(ItemResult(h.hexdigest(), changed, encoded))
             pending = next(item_iter, None)
-        fp = whole.hexdigest() if ahead is None else ahead.file
-        file_refs.append(FileRef(tfile.path, tfile.size, fp))
+        if not ahead:
+            file_refs.append(FileRef(tfile.path, tfile.size, whole.hexdigest()))
+            continue
+        # The child's fingerprints, or (it failed, or the file changed) a pass of our own.
+        ref, fps = scan(target, fi)
+        file_refs.append(ref)
+        for at in range(first_result, len(item_results)):
+            name = items[at].name
+            fp = ref.fingerprint if name is None else fps[name]  # a blob is its whole file
+            item_results[at] = replace(item_results[at], fingerprint=fp)
     writer = held.writer()
     header = held.header
     assert header is not None
@@ -430,17 +440,6 @@ def _write_frames(
         total_words=sum(i.nbytes // i.word for i in header.items),
         items=len(header.items),
     )
-
-
-def _hashed_ahead(target: Source, index: int, tfile: TargetFile) -> _prehash.Hashed | None:
-    """The fingerprints of NEW's file ``index`` and of each of its tensors, if a child hashed
-    them while the CLI loaded (pulsectl._prehash)."""
-    if not isinstance(target, FileSource) or tfile.header is None:
-        return None
-    ahead = _prehash.lookup(target.fd(index), tfile.header.raw)
-    if ahead is None or tensor_fingerprints(tfile.header.tensors, ahead) is None:
-        return None
-    return ahead
 
 
 def _encode_task(

@@ -179,6 +179,40 @@ def test_fingerprints_hashed_ahead_are_used_only_for_the_same_unchanged_file(
 
 
 @needs_fork
+@pytest.mark.parametrize("change", ["none", "new", "old"])
+def test_diff_with_a_child_writes_the_patch_it_writes_without(
+    tmp_path: Path, started, change: str
+) -> None:
+    # diff takes OLD's and NEW's fingerprints from the child, or, for a file changed since the
+    # child hashed it, hashes that file itself (NEW: a second pass once its blocks are done).
+    from conftest import patch_bytes
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file(_tensors([40_000, 0, 333, 90_000], 8), str(a))
+    old = a.read_bytes()
+    new = bytearray(old)
+    data_start = 8 + int.from_bytes(old[:8], "little")
+    new[data_start + 6 :: 98] = bytes(len(new[data_start + 6 :: 98]))  # header kept
+    b.write_bytes(bytes(new))
+    started(["diff", str(a), str(b)])
+    with open(a, "rb") as f:
+        assert _prehash.lookup(f.fileno(), None) is not None  # the child is done
+    if change != "none":
+        path = a if change == "old" else b
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x40
+        path.write_bytes(bytes(data))
+        st_p = path.stat()
+        os.utime(path, ns=(st_p.st_atime_ns, st_p.st_mtime_ns + 1_000_000))
+    with_child = patch_bytes(a, b, workers=2)
+    child, _prehash._child = _prehash._child, None
+    try:
+        assert with_child == patch_bytes(a, b, workers=2)
+    finally:
+        _prehash._child = child
+
+
+@needs_fork
 def test_a_different_header_gets_only_the_file_fingerprint(tmp_path: Path, started) -> None:
     a = tmp_path / "a.safetensors"
     save_file(_tensors([100, 200], 3), str(a))
