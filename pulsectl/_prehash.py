@@ -312,9 +312,9 @@ def _run_child(paths: list[str], wfd: int) -> None:
         os.closerange(3, wfd)
         os.closerange(wfd + 1, 1 << 16)
         for path in paths:
-            line = _hash_file(path)
-            if line is not None:
-                os.write(wfd, line)
+            line = memoryview(_hash_file(path) or b"")
+            while line:  # a line of a many-tensor file is megabytes: the pipe takes it in parts
+                line = line[os.write(wfd, line) :]
     except BaseException:
         code = 1
     os._exit(code)

@@ -85,8 +85,13 @@ def _tensors(sizes: list[int], seed: int) -> dict[str, torch.Tensor]:
 
 
 def _scanned(path: Path) -> tuple[str, dict[str, str]]:
-    with FileSource(Checkpoint.open(path)) as source:
-        ref, fps = scan(source, 0)
+    """scan()'s fingerprints of the file, hashed by scan itself (any child set aside)."""
+    child, _prehash._child = _prehash._child, None
+    try:
+        with FileSource(Checkpoint.open(path)) as source:
+            ref, fps = scan(source, 0)
+    finally:
+        _prehash._child = child
     return ref.fingerprint, fps
 
 
@@ -154,7 +159,7 @@ def test_fingerprints_hashed_ahead_are_used_only_for_the_same_unchanged_file(
     started(["diff", str(a), str(b), "-o", str(tmp_path / "p.pulse")])
     assert _prehash._child is not None
     for path in (a, b):
-        whole, fps = _scanned(path)  # scan takes them from the child: the same fingerprints
+        whole, fps = _scanned(path)
         ckpt = Checkpoint.open(path)
         with open(path, "rb") as f:
             hashed = _prehash.lookup(f.fileno(), ckpt.files[0].header.raw)  # type: ignore[union-attr]
@@ -169,8 +174,8 @@ def test_fingerprints_hashed_ahead_are_used_only_for_the_same_unchanged_file(
     os.utime(a, ns=(st_a.st_atime_ns, st_a.st_mtime_ns + 1_000_000))
     with open(a, "rb") as f:
         assert _prehash.lookup(f.fileno(), None) is None
-    whole, _ = _scanned(a)
-    assert whole == xxhash.xxh3_128_hexdigest(a.read_bytes())
+    with FileSource(Checkpoint.open(a)) as source:  # the child still there: scan hashes a
+        assert scan(source, 0)[0].fingerprint == xxhash.xxh3_128_hexdigest(a.read_bytes())
     # A file it was not asked to hash.
     c = tmp_path / "c.safetensors"
     shutil.copy(b, c)
@@ -210,6 +215,24 @@ def test_diff_with_a_child_writes_the_patch_it_writes_without(
         assert with_child == patch_bytes(a, b, workers=2)
     finally:
         _prehash._child = child
+
+
+@needs_fork
+def test_a_many_tensor_file_comes_back_whole_through_the_pipe(tmp_path: Path, started) -> None:
+    # Its line (~60 bytes a tensor) is several times what a pipe holds at once.
+    a = tmp_path / "many.safetensors"
+    save_file(_tensors([7] * 6000, 9), str(a))
+    started(["hash", str(a)])
+    header = Checkpoint.open(a).files[0].header
+    assert header is not None
+    with open(a, "rb") as f:
+        hashed = _prehash.lookup(f.fileno(), header.raw)
+    assert hashed is not None
+    assert len(hashed.ranges) == 6000
+    assert _scanned(a) == (
+        hashed.file,
+        {t.name: hashed.ranges[(t.start, t.nbytes)] for t in header.tensors},
+    )
 
 
 @needs_fork
