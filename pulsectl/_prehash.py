@@ -146,7 +146,7 @@ class _Child:
         self.results: dict[tuple[int, int], Hashed | None] = {}
         self.lock = threading.Lock()  # reading the pipe
         self.ended = False
-        self._partial = b""
+        self._partial = bytearray()  # a line not yet whole (megabytes for many tensors)
         # Killing and reaping, apart from ``lock`` (held while a reader waits on the pipe):
         # once reaped, the pid may belong to another process and must not be signalled.
         self._pid_lock = threading.Lock()
@@ -162,9 +162,12 @@ class _Child:
                 if not data:
                     self._end()
                     break
-                *lines, self._partial = (self._partial + data).split(b"\n")
-                for line in lines:
-                    self._take(line)
+                self._partial += data
+                if b"\n" in data:
+                    *lines, rest = self._partial.split(b"\n")
+                    self._partial = bytearray(rest)
+                    for line in lines:
+                        self._take(bytes(line))
             if not self.ended and self.keys <= self.results.keys():
                 # Every file is in: the child is exiting; reap it now, not at exit.
                 with contextlib.suppress(OSError):
@@ -179,9 +182,10 @@ class _Child:
             identity = tuple(int(v) for v in doc["identity"])
             ranges = {(int(s), int(n)): str(fp) for s, n, fp in doc["ranges"]}
             hashed = Hashed(identity, str(doc["header"]), str(doc["file"]), ranges)
-        except (ValueError, KeyError, TypeError):
+            key = (identity[0], identity[1])
+        except (ValueError, KeyError, TypeError, IndexError):
             return
-        self.results[(identity[0], identity[1])] = hashed
+        self.results[key] = hashed
 
     def _end(self) -> None:
         self.ended = True

@@ -267,6 +267,26 @@ def test_new_is_hashed_ahead_only_while_the_wait_for_it_stays_short(
         assert _prehash.lookup(f.fileno(), None) is not None
 
 
+def test_lines_that_do_not_parse_are_ignored_and_a_line_may_come_in_pieces() -> None:
+    proc = subprocess.Popen(["true"])  # a real child for the reaping
+    rfd, wfd = os.pipe()
+    child = _prehash._Child(proc.pid, rfd, {(1, 2), (3, 4), (5, 6)})
+    good = {"identity": [1, 2, 10, 0, 0], "header": "h", "file": "f", "ranges": [[8, 2, "r"]]}
+    line = json.dumps(good).encode() + b"\n"
+    os.write(wfd, b"not json\n")
+    os.write(wfd, json.dumps({**good, "identity": [3]}).encode() + b"\n")  # too short
+    os.write(wfd, json.dumps({**good, "ranges": [[1, 2]]}).encode() + b"\n")  # no fingerprint
+    os.write(wfd, line[:7])
+    os.write(wfd, line[7:])
+    os.close(wfd)
+    hashed = child.wait_for((1, 2))
+    assert hashed == _prehash.Hashed((1, 2, 10, 0, 0), "h", "f", {(8, 2): "r"})
+    assert child.wait_for((3, 4)) is None and child.wait_for((5, 6)) is None
+    assert child.ended  # the pipe's end was read and the child reaped
+    with pytest.raises(ChildProcessError):
+        os.waitpid(proc.pid, os.WNOHANG)
+
+
 def test_no_child_without_fork_or_when_turned_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
