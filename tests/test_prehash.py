@@ -249,11 +249,10 @@ def test_a_different_header_gets_only_the_file_fingerprint(tmp_path: Path, start
 
 
 @needs_fork
-def test_new_is_hashed_ahead_only_while_the_wait_for_it_stays_short(
+def test_new_is_hashed_ahead_only_while_the_childs_job_stays_short(
     tmp_path: Path, started, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # diff hashes NEW alongside its encoding otherwise: for big files it must not wait for a
-    # child that hashes OLD and then NEW.
+    # Past WAIT_BYTES diff hashes NEW alongside its encoding, as it does without a child.
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file(_tensors([5000], 6), str(a))
     save_file(_tensors([5000], 7), str(b))
