@@ -27,6 +27,7 @@ import json
 import mmap
 import os
 import signal
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -228,7 +229,7 @@ def start(args: list[str]) -> None:
         except (OSError, ValueError):
             continue
         key = (st.st_dev, st.st_ino)
-        if st.st_size < MIN_BYTES or not _is_regular(st) or key in keys:
+        if st.st_size < MIN_BYTES or not stat.S_ISREG(st.st_mode) or key in keys:
             continue
         if waits and total + st.st_size > WAIT_BYTES:
             continue
@@ -296,12 +297,6 @@ def lookup(fd: int, header_raw: bytes | None) -> Hashed | None:
     if xxhash.xxh3_128_hexdigest(header_raw) != hashed.header:
         return None
     return hashed
-
-
-def _is_regular(st: os.stat_result) -> bool:
-    import stat
-
-    return stat.S_ISREG(st.st_mode)
 
 
 def _run_child(paths: list[str], wfd: int) -> None:

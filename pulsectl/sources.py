@@ -109,14 +109,12 @@ def scan(
     ``stop``, once set, ends the scan (``Stopped``) at its next chunk of a safetensors file.
     """
     entry = source.files[index]
-    if isinstance(source, FileSource):
-        ahead = _prehash.lookup(source.fd(index), entry.header.raw if entry.header else None)
-        if ahead is not None:
-            if entry.header is None:
-                return FileRef(entry.relpath, entry.size, ahead.file), {}
-            fps = tensor_fingerprints(entry.header.tensors, ahead)
-            if fps is not None:
-                return FileRef(entry.relpath, entry.size, ahead.file), fps
+    if isinstance(source, FileSource) and entry.header is not None:
+        # Hashed while the CLI loaded (pulsectl._prehash hashes safetensors files only).
+        ahead = _prehash.lookup(source.fd(index), entry.header.raw)
+        fps = None if ahead is None else _tensor_fingerprints(entry.header.tensors, ahead)
+        if ahead is not None and fps is not None:
+            return FileRef(entry.relpath, entry.size, ahead.file), fps
     if entry.header is None:
         if isinstance(source, FileSource):
             return FileRef(entry.relpath, entry.size, fingerprint_file(entry.path)), {}
@@ -151,7 +149,7 @@ def scan(
     return FileRef(entry.relpath, entry.size, whole.hexdigest()), tensors
 
 
-def tensor_fingerprints(
+def _tensor_fingerprints(
     tensors: Sequence[TensorInfo], ahead: _prehash.Hashed
 ) -> dict[str, str] | None:
     """Each tensor's fingerprint from those hashed ahead (pulsectl._prehash), or None if one
