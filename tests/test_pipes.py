@@ -200,3 +200,40 @@ def test_usage_error_exit_2(ab: Path) -> None:
     assert b"Traceback" not in r.stderr and r.stdout == b""
     r = sh("pulsectl --help", ab)
     assert r.returncode == 0 and b"Exit codes" in r.stdout
+
+
+@pytest.mark.parametrize("redirect", [">&-", ">/dev/full"], ids=["closed", "full"])
+def test_stdout_closed_or_full_is_one_line(ab: Path, redirect: str) -> None:
+    """stdout closed (`>&-`: Python leaves sys.stdout None) or on a full disk: one line, exit
+    1, nothing left behind; these used to end in an AttributeError or OSError traceback and
+    'internal error'. --help goes through click, which probes stdout with a write of its own."""
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    before = sorted(p.name for p in ab.iterdir())
+    commands = [
+        "diff a.safetensors b.safetensors",
+        "diff a.safetensors b.safetensors -o -",
+        "hash a.safetensors",
+        "inspect p",
+        "stats p --json",
+        "stats p",
+        "--version",
+        "--help",
+        "diff --help",
+    ]
+    for command in commands:
+        r = sh(f"pulsectl {command} {redirect}", ab)
+        assert r.returncode == 1, (command, r.stderr)
+        line = one_error_line(r.stderr)
+        if redirect == ">&-":
+            assert line.startswith("pulsectl: error: standard output is closed; "), line
+        else:
+            assert line.startswith("pulsectl: error: standard output: no space left"), line
+        assert sorted(p.name for p in ab.iterdir()) == before, command
+    # A command that writes nothing on stdout runs as usual with stdout closed.
+    r = sh(
+        "pulsectl diff a.safetensors b.safetensors -o q >&- && pulsectl verify b.safetensors"
+        " --patch q >&-",
+        ab,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (ab / "q").read_bytes() == (ab / "p").read_bytes()

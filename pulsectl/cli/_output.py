@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import sys
@@ -19,11 +21,8 @@ class Output:
 
     def data(self, text: str) -> None:
         """A line of data for scripts (stdout)."""
-        try:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-        except BrokenPipeError as exc:
-            raise _pipe_closed("the output") from exc
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
 
     def json(self, obj: Any) -> None:
         self.data(json.dumps(obj, indent=2, sort_keys=False))
@@ -76,10 +75,15 @@ class Output:
 
 
 def binary_stdout() -> Any:
-    """stdout for binary data; refuses a terminal like zstd does."""
-    if sys.stdout.isatty():
+    """stdout for binary data; refuses a closed stdout, and a terminal like zstd does."""
+    stream = sys.stdout
+    if isinstance(stream, GuardedStdout):
+        stream = stream.stream
+    if stream is None:
+        raise stdout_closed("give -o PATCH, or redirect stdout to a file or a pipe")
+    if stream.isatty():
         raise UsageError("refusing to write a binary patch to a terminal; use -o FILE or a pipe")
-    return _PipeWriter(sys.stdout.buffer)
+    return _PipeWriter(stream.buffer)
 
 
 class _PipeWriter:
@@ -91,24 +95,149 @@ class _PipeWriter:
     def write(self, data: bytes | memoryview) -> int:
         try:
             return int(self._raw.write(data))
-        except BrokenPipeError as exc:
-            raise _pipe_closed("the patch") from exc
+        except OSError as exc:
+            raise stdout_failed(exc, "the patch") from exc
 
     def flush(self) -> None:
         try:
             self._raw.flush()
-        except BrokenPipeError as exc:
-            raise _pipe_closed("the patch") from exc
+        except OSError as exc:
+            raise stdout_failed(exc, "the patch") from exc
 
 
-def _pipe_closed(what: str) -> OutputError:
-    """A closed stdout pipe as a pulsectl error.
+class GuardedStdout:
+    """``sys.stdout`` while ``main`` runs: a write to stdout that fails (the reader went away,
+    the disk is full, stdout was closed with ``>&-``) raises a one-line ``OutputError``, so
+    that every such failure, whoever writes (a command, rich, click's --help, print), ends as
+    one line, and an OSError that reaches ``main`` is a bug.
+
+    ``stream`` is the real stdout, or None where the process was started with stdout closed
+    (Python then leaves ``sys.stdout`` None): a command that writes nothing there runs as
+    usual.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.failed: OutputError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self.stream is None:
+            raise AttributeError(name)
+        return getattr(self.stream, name)
+
+    @property
+    def encoding(self) -> str:
+        return str(getattr(self.stream, "encoding", None) or "utf-8")
+
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self.stream, "closed", False))
+
+    @property
+    def buffer(self) -> _GuardedBuffer:
+        return _GuardedBuffer(self)
+
+    def write(self, text: str) -> int:
+        if self.stream is None:
+            raise stdout_closed()
+        self._check()
+        try:
+            return int(self.stream.write(text))
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def flush(self) -> None:
+        if self.stream is None:
+            return
+        self._check()
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _check(self) -> None:
+        # Once a write failed, every later one fails the same way: stdout now points at
+        # /dev/null, and a caller that swallowed the first error (click probes the stream with
+        # a write) must not see success after it.
+        if self.failed is not None:
+            raise self.failed
+
+    def _failed(self, exc: OSError) -> OutputError:
+        self.failed = stdout_failed(exc, "the output")
+        return self.failed
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.stream is not None and bool(self.stream.isatty())
+
+    def fileno(self) -> int:
+        if self.stream is None:
+            raise io.UnsupportedOperation("standard output is closed")
+        return int(self.stream.fileno())
+
+
+class _GuardedBuffer:
+    """``GuardedStdout.buffer``: the binary stdout, guarded the same way."""
+
+    def __init__(self, text: GuardedStdout) -> None:
+        self._text = text
+        self._raw = getattr(text.stream, "buffer", None)
+
+    def __getattr__(self, name: str) -> Any:
+        if self._raw is None:
+            raise AttributeError(name)
+        return getattr(self._raw, name)
+
+    def write(self, data: bytes | memoryview) -> int:
+        if self._raw is None:
+            raise stdout_closed()
+        self._text._check()
+        try:
+            return int(self._raw.write(data))
+        except OSError as exc:
+            raise self._text._failed(exc) from exc
+
+    def flush(self) -> None:
+        if self._raw is None:
+            return
+        self._text._check()
+        try:
+            self._raw.flush()
+        except OSError as exc:
+            raise self._text._failed(exc) from exc
+
+
+def stdout_failed(exc: OSError, what: str) -> OutputError:
+    """A write to stdout that failed as a pulsectl error.
 
     typer (like click) catches an EPIPE OSError itself and exits 1 without a word, so it must
-    not reach typer. stdout is pointed at /dev/null so the interpreter's final flush is quiet.
+    not reach typer. stdout is pointed at /dev/null so that the interpreter's final flush of
+    what is still buffered is quiet.
     """
-    with contextlib.suppress(OSError, ValueError):
+    _silence_stdout()
+    if isinstance(exc, BrokenPipeError):
+        return OutputError(f"output pipe closed before {what} was complete")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(
+            "standard output: no space left on device; free some space or redirect the output "
+            "elsewhere"
+        )
+    return OutputError(
+        f"standard output: cannot write ({exc.strerror or exc}); redirect the output elsewhere"
+    )
+
+
+def stdout_closed(fix: str = "redirect it to a file, a pipe or /dev/null") -> OutputError:
+    return OutputError(f"standard output is closed; {fix}")
+
+
+def _silence_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null (when it has one)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return OutputError(f"output pipe closed before {what} was complete")
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)

@@ -25,7 +25,7 @@ from pulsectl.cli import pull as pull_cmd
 from pulsectl.cli import squash as squash_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
-from pulsectl.cli._output import Output
+from pulsectl.cli._output import GuardedStdout, Output
 from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError
 
 EXIT_INTERRUPTED = 130
@@ -117,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one ``pulsectl: error: ...`` line and an exit code."""
     args = _hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
     signal.signal(signal.SIGTERM, _on_sigterm)
+    real_stdout = sys.stdout
+    sys.stdout = GuardedStdout(real_stdout)  # a failed write to stdout is one line
+    try:
+        return _main(args)
+    finally:
+        sys.stdout = real_stdout
+
+
+def _main(args: list[str]) -> int:
     code = 0
     try:
         result = app(args=args, prog_name="pulsectl", standalone_mode=False)
@@ -140,11 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, typer.Abort):
         sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
         code = EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (e.g. `pulsectl diff a b | head -c 100`).
-        _silence_stdout()
-        sys.stderr.write("pulsectl: error: output pipe closed before the patch was complete\n")
-        code = EXIT_ERROR
     except MemoryError:
         sys.stderr.write("pulsectl: error: out of memory\n")
         code = EXIT_ERROR
@@ -156,20 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         code = EXIT_ERROR
     try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
+        sys.stdout.flush()  # what is left in the buffer (click's --help)
+    except PulseError as exc:  # one line for the first error only
         if code == 0:
-            code = EXIT_ERROR
+            if _wants_traceback(args):
+                traceback.print_exc()
+            sys.stderr.write(f"pulsectl: error: {exc.message}\n")
+            code = exc.exit_code
     return code
-
-
-def _silence_stdout() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except OSError:
-        pass
 
 
 def run() -> None:
