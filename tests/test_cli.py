@@ -335,6 +335,27 @@ def test_hash_format(
     assert captured.err == ""
 
 
+def test_hash_goes_on_past_a_checkpoint_it_cannot_read(
+    pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As sha256sum: one error line per unreadable checkpoint, the others still hashed, and
+    the exit status of the errors at the end (it used to stop at the first one)."""
+    a, b, _ = pair
+    missing = tmp_path / "missing.safetensors"
+    malformed = tmp_path / "malformed.safetensors"
+    malformed.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{} broken")
+    assert main(["hash", str(a), str(missing), str(malformed), str(b)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        f"{xxhash.xxh3_128_hexdigest(a.read_bytes())}  {a}",
+        f"{xxhash.xxh3_128_hexdigest(b.read_bytes())}  {b}",
+    ]
+    errors = captured.err.strip().splitlines()
+    assert len(errors) == 2 and "Traceback" not in captured.err, captured.err
+    assert errors[0].startswith(f"pulsectl: error: {missing}: ")
+    assert errors[1].startswith(f"pulsectl: error: {malformed}: ")
+
+
 def test_hash_escapes_odd_names_as_sha256sum_does(
     pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

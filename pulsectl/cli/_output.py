@@ -8,10 +8,11 @@ import io
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pulsectl.errors import OutputError, UsageError
+from pulsectl.errors import OutputError, PulseError, UsageError
 
 
 class Output:
@@ -26,6 +27,13 @@ class Output:
 
     def json(self, obj: Any) -> None:
         self.data(json.dumps(obj, indent=2, sort_keys=False))
+
+    def error(self, exc: PulseError) -> None:
+        """An error that ends one part of a command, not the command (one of several inputs):
+        the line ``main`` prints for an error that ends it, with the traceback under -v."""
+        if self.verbose or os.environ.get("PULSECTL_DEBUG", "") not in ("", "0"):
+            traceback.print_exception(exc)
+        sys.stderr.write(f"pulsectl: error: {exc.message}\n")
 
     def info(self, text: str) -> None:
         """A message for a person (stderr); silenced by -q."""

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from pulsectl.cli._output import Output
+from pulsectl.errors import EXIT_OK, PulseError
 
 
 def hash_(
@@ -19,13 +20,25 @@ def hash_(
 ) -> None:
     """Print '<fingerprint>  <path>' for each checkpoint (the fingerprint patches record).
 
-    A path with a line break or backslash is escaped as sha256sum does."""
+    A path with a line break or backslash is escaped as sha256sum does. Like sha256sum, a
+    checkpoint that cannot be read (missing, malformed) gets an error line on stderr and the
+    others are still hashed; the exit status is then the highest of those errors' codes (1 for
+    a missing or malformed checkpoint), 0 when every checkpoint was hashed."""
     from pulsectl.checkpoint import Checkpoint
     from pulsectl.inventory import fingerprint_of
 
     out: Output = ctx.obj
+    code = EXIT_OK
     for path in checkpoints:
-        out.data(_line(fingerprint_of(Checkpoint.open(path)), str(path)))
+        try:
+            fingerprint = fingerprint_of(Checkpoint.open(path))
+        except PulseError as exc:  # this checkpoint only; a failed write to stdout ends it all
+            out.error(exc)
+            code = max(code, exc.exit_code)
+            continue
+        out.data(_line(fingerprint, str(path)))
+    if code != EXIT_OK:
+        raise typer.Exit(code)
 
 
 def _line(fingerprint: str, path: str) -> str:
