@@ -335,6 +335,34 @@ def test_hash_format(
     assert captured.err == ""
 
 
+def test_summary_says_when_the_patch_is_not_smaller(
+    pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny checkpoint whose every word changed gives a patch larger than the target: the
+    summaries of diff and stats say so, instead of "0.2x smaller than the target"."""
+    import numpy as np
+
+    from pulsectl.checkpoint import save_safetensors
+
+    a, b, p = tmp_path / "ta.safetensors", tmp_path / "tb.safetensors", tmp_path / "t.pulse"
+    save_safetensors(a, {"w": ("F32", (8,), np.zeros(8, dtype=np.float32))})
+    save_safetensors(b, {"w": ("F32", (8,), np.ones(8, dtype=np.float32))})
+    target = b.stat().st_size
+    capsys.readouterr()
+    assert main(["diff", str(a), str(b), "-o", str(p)]) == 0
+    err = capsys.readouterr().err
+    assert f", larger than the target ({target:,} bytes)" in err, err
+    assert "smaller" not in err
+    for argv in (["stats", str(p)], ["stats", str(a), str(b)]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert f", larger than the target ({target:,} bytes)" in out and "smaller" not in out
+    # A real pair still gets its ratio.
+    pa, pb, pp = pair
+    assert main(["stats", str(pp)]) == 0
+    assert re.search(r", \d+\.\dx smaller than the target\n", capsys.readouterr().out)
+
+
 def test_hash_goes_on_past_a_checkpoint_it_cannot_read(
     pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -82,6 +82,20 @@ class Output:
             yield update
 
 
+def smaller_than(patch_bytes: int, whole_bytes: int, whole: str = "the target") -> str:
+    """``"113.9x smaller than the target"``, or, where the patch is not smaller (a tiny
+    checkpoint, most of its words changed), ``"larger than the target (120 bytes)"``."""
+    if patch_bytes >= whole_bytes:
+        size = "as large as" if patch_bytes == whole_bytes else "larger than"
+        return f"{size} {whole} ({whole_bytes:,} bytes)"
+    if patch_bytes <= 0:
+        return f"smaller than {whole}"
+    ratio = whole_bytes / patch_bytes
+    if ratio < 1.05:  # would show as "1.0x smaller"
+        return f"a little smaller than {whole} ({whole_bytes:,} bytes)"
+    return f"{ratio:.1f}x smaller than {whole}"
+
+
 def binary_stdout() -> Any:
     """stdout for binary data; refuses a closed stdout, and a terminal like zstd does."""
     stream = sys.stdout

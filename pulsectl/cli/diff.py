@@ -9,7 +9,7 @@ import typer
 
 from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL
 from pulsectl.cli._options import FindDevice, Force, Fsync, NewCheckpoint, OldCheckpoint, Workers
-from pulsectl.cli._output import Output, binary_stdout
+from pulsectl.cli._output import Output, binary_stdout, smaller_than
 from pulsectl.errors import UsageError
 
 if TYPE_CHECKING:
@@ -148,10 +148,10 @@ def _run(
                 durable=fsync,
             )
     density = summary.changed_words / summary.total_words if summary.total_words else 0.0
-    ratio = summary.target_bytes / summary.patch_bytes if summary.patch_bytes else 0.0
     out.info(
         f"{summary.changed_words:,} of {summary.total_words:,} words changed ({density:.3%}); "
-        f"patch {summary.patch_bytes:,} bytes, {ratio:.1f}x smaller than the target"
+        f"patch {summary.patch_bytes:,} bytes, "
+        f"{smaller_than(summary.patch_bytes, summary.target_bytes)}"
     )
 
 

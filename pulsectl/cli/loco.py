@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from pulsectl.cli._options import Force, JsonFlag
-from pulsectl.cli._output import Output
+from pulsectl.cli._output import Output, smaller_than
 
 app = typer.Typer(
     name="loco",
@@ -64,10 +64,10 @@ def encode(
     if as_json:
         out.json(doc)
         return
-    ratio = doc["dense_bytes"] / summary.patch_bytes if summary.patch_bytes else 0.0
+    dense = smaller_than(summary.patch_bytes, doc["dense_bytes"], "dense FP32")
     out.info(
         f"sent {summary.sent:,} of {summary.total:,} values ({doc['density']:.3%}); "
-        f"{output}: {summary.patch_bytes:,} bytes, {ratio:.1f}x smaller than dense FP32; "
+        f"{output}: {summary.patch_bytes:,} bytes, {dense}; "
         f"residual {'created' if summary.residual_created else 'updated'}: {residual}"
     )
 

@@ -9,7 +9,7 @@ import typer
 
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cli._options import FindDevice, JsonFlag, Workers
-from pulsectl.cli._output import Output
+from pulsectl.cli._output import Output, smaller_than
 from pulsectl.errors import UsageError
 from pulsectl.errors import escape_controls as shown
 
@@ -122,7 +122,7 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
         lines.append(
             f"patch          {total['patch_bytes']:,} bytes"
             + (f", {per:.2f} B per changed word" if per is not None else "")
-            + f", {total['target_bytes'] / total['patch_bytes']:.1f}x smaller than the target"
+            + f", {smaller_than(total['patch_bytes'], total['target_bytes'])}"
         )
     out.data("\n".join(lines))
 
