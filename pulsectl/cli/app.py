@@ -26,7 +26,7 @@ from pulsectl.cli import squash as squash_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import GuardedStdout, Output
-from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError
+from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError, escape_controls
 
 EXIT_INTERRUPTED = 130
 
@@ -139,13 +139,15 @@ def _main(args: list[str]) -> int:
         code = exc.exit_code
     except typer.Exit as exc:
         code = exc.exit_code
-    except typer.TyperException as exc:  # usage errors from the parser
+    except typer.TyperException as exc:  # usage errors from the parser: one line too
+        # `pulsectl` or `pulsectl loco` alone: the help. Told apart by name, as typer does:
+        # its click is vendored under a private module.
         show = getattr(exc, "show", None)
-        if show is not None:
+        if type(exc).__name__ == "NoArgsIsHelpError" and show is not None:
             show()
         else:
-            sys.stderr.write(f"pulsectl: error: {exc.message}\n")
-        code = exc.exit_code if exc.exit_code else EXIT_USAGE
+            sys.stderr.write(f"pulsectl: error: {_parser_error(exc)}\n")
+        code = getattr(exc, "exit_code", None) or EXIT_USAGE
     except (KeyboardInterrupt, typer.Abort):
         sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
         code = EXIT_INTERRUPTED
@@ -168,6 +170,20 @@ def _main(args: list[str]) -> int:
             sys.stderr.write(f"pulsectl: error: {exc.message}\n")
             code = exc.exit_code
     return code
+
+
+def _parser_error(exc: typer.TyperException) -> str:
+    """A usage error from the parser (a bad option value, a missing argument, an unknown
+    option or command) as one line, ending in click's hint to run --help."""
+    format_message = getattr(exc, "format_message", None)
+    text = format_message() if format_message is not None else str(exc)
+    text = escape_controls(" ".join(text.split())).removesuffix(".")
+    if text[1:2].islower():  # "Invalid value ..." reads as the rest of pulsectl's lines
+        text = text[:1].lower() + text[1:]
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.command.get_help_option(ctx) is not None:
+        return f"{text}; try '{ctx.command_path} {ctx.help_option_names[0]}' for help"
+    return f"{text}; try 'pulsectl -h' for help"
 
 
 def run() -> None:
