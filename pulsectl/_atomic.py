@@ -9,37 +9,104 @@ import functools
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, BinaryIO
 
-from pulsectl.errors import OutputError
+from pulsectl.errors import OutputError, UsageError
 
 TEMP_MARK = ".pulsectl-tmp-"
 
+# The signals that end a run the way Ctrl-C does (pulsectl.cli raises KeyboardInterrupt on the
+# last two): its temps are removed first. SIGHUP comes when a terminal or tmux pane closes.
+INTERRUPTS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
 
 def check_target(path: Path, force: bool, what: str = "output") -> None:
-    """Refuse to clobber an existing path unless ``force``; refuse a missing folder."""
-    if path.exists() and not force:
+    """Refuse to clobber an existing path (but an empty folder) unless ``force``; refuse a
+    missing folder, and a
+    device, pipe or socket (an output is renamed into place: it would replace the node), and
+    '-', which means standard output to the commands that can stream."""
+    if str(path) == "-":
+        raise UsageError(
+            f"-o -: this command writes its {what} as a file, not to standard output; give a "
+            "path (./- for a file named '-')"
+        )
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise OutputError(
+            f"{path}: is a device, pipe or socket, not a file; pulsectl writes a new file and "
+            "renames it into place, which would replace it: give a file path",
+            path=path,
+        )
+    empty_folder = mode is not None and stat.S_ISDIR(mode) and not any(os.scandir(path))
+    if mode is not None and not force and not empty_folder:
         raise OutputError(f"{path}: {what} exists; pass -f to overwrite", path=path)
     parent = path.parent
     if not parent.is_dir():
         raise OutputError(f"{path}: folder {parent} does not exist", path=path)
 
 
+def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
+    """Before a folder output replaces the folder at ``path`` (with -f): refuse one that holds
+    an input of the command or the current folder, or that holds files but no checkpoint.
+
+    Replacing a folder replaces everything in it that a checkpoint does not leave out (hidden
+    entries are carried over, see ``install``): a folder of other files is most likely a
+    mistyped -o, and one that holds BASE or a patch would lose them.
+    """
+    if not path.is_dir():
+        return
+    where = path.resolve()
+    for item in [*inputs, Path.cwd()]:
+        if not item.exists():
+            continue
+        held = item.resolve()
+        if held == where or held.is_relative_to(where):
+            which = "the current folder" if item == Path.cwd() else f"{item}, an input"
+            raise OutputError(
+                f"{path}: holds {which}; replacing the folder would remove it: write the "
+                "output to another folder",
+                path=path,
+            )
+    visible = list(_visible_files(path))
+    if visible and not any(e.name.endswith(".safetensors") for e in visible):
+        raise OutputError(
+            f"{path}: is a folder of other files (no .safetensors file in it); an output folder "
+            "is replaced whole: give a new or empty folder, or remove this one first",
+            path=path,
+        )
+
+
+def _visible_files(folder: Path) -> Iterator[Path]:
+    """The files below ``folder`` that a folder checkpoint holds (no hidden path component)."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            if not name.startswith("."):
+                yield Path(root) / name
+
+
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back while inside; one that arrives is acted on when leaving.
+    """Hold SIGINT, SIGTERM and SIGHUP back while inside; one that arrives is acted on when
+    leaving.
 
     For the steps between creating a temp file and recording it for removal: an interrupt (a
     KeyboardInterrupt, raised at whatever line runs when the signal comes) between the two
     would leave the file behind. Python runs signal handlers in the main thread only, so
     elsewhere this holds nothing back, and needs not.
     """
-    sigs = (signal.SIGINT, signal.SIGTERM)
+    sigs = INTERRUPTS
     # (None: a handler set outside Python, which cannot be put back: left alone.)
     if threading.current_thread() is not threading.main_thread() or any(
         signal.getsignal(s) is None for s in sigs
@@ -127,7 +194,7 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o644 & ~_umask())
+        _take_mode(tmp, path, 0o644 & ~_umask())
         os.replace(tmp, path)
     except OSError as exc:
         discard(out, tmp)
@@ -166,22 +233,106 @@ def install(tmp: Path, path: Path) -> None:
     A folder cannot be renamed over a folder, so where the system can (Linux) the two are
     swapped in one step and ``path`` is at every moment the old folder or the new one; a kill
     -9 before the old one is removed leaves it under a temp name. Elsewhere: two renames, the
-    first undone if the second fails or is interrupted.
+    first undone if the second fails or is interrupted. What a folder checkpoint leaves out of
+    the old folder (hidden entries: ``.git``, ``.cache``) moves into the new one, and the new
+    one and its files keep the old ones' modes.
     """
-    if tmp.is_dir() and path.exists():
+    if tmp.is_dir() and os.path.lexists(path):
+        folder = path.is_dir() and not path.is_symlink()  # a link is replaced, not followed
+        if folder:
+            _take_modes(tmp, path)
         if _exchange(tmp, path):
-            remove(tmp)  # now the old folder
-            return
-        old = temp_path(path)
-        os.replace(path, old)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.replace(old, path)
-            raise
-        remove(old)
+            old = tmp  # now the old folder (or file)
+        else:
+            old = temp_path(path)
+            os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
+        if folder:
+            _carry_hidden_or_keep(old, path)
+        else:
+            remove(old)
     else:
+        if not tmp.is_dir():
+            _take_mode(tmp, path, None)
         os.replace(tmp, path)
+
+
+def _carry_hidden_or_keep(old: Path, path: Path) -> None:
+    """Move the hidden entries of the replaced folder ``old`` into ``path``, then remove
+    ``old``. If a move fails, ``old`` (with what it still holds) is kept under a name of its
+    own beside ``path``, which the caller's clean-up of its temps does not touch, and the
+    error says where."""
+    try:
+        with interrupts_deferred():
+            _carry_hidden(old, path)
+    except OSError as exc:
+        kept = old
+        with contextlib.suppress(OSError):
+            name = Path(tempfile.mkdtemp(prefix=f".{path.name}.pulsectl-kept-", dir=path.parent))
+            os.replace(old, name)  # over the empty folder just made
+            kept = name
+        raise OutputError(
+            f"{path}: written, but moving the old folder's hidden files into it failed "
+            f"({exc.strerror or exc}); the old folder is kept as {kept}",
+            path=path,
+        ) from exc
+    remove(old)
+
+
+def _carry_hidden(old: Path, new: Path) -> None:
+    """Move the entries below ``old`` that a folder checkpoint leaves out (a path component
+    starting with '.') to the same place below ``new``; folders on the way are made."""
+    for entry in os.scandir(old):
+        src, dst = Path(entry.path), new / entry.name
+        if entry.name.startswith("."):
+            if not os.path.lexists(dst):
+                os.rename(src, dst)
+        elif entry.is_dir(follow_symlinks=False) and _holds_hidden(src):
+            if not os.path.lexists(dst):
+                dst.mkdir()
+                shutil.copymode(src, dst)
+            if dst.is_dir() and not dst.is_symlink():
+                _carry_hidden(src, dst)
+
+
+def _holds_hidden(folder: Path) -> bool:
+    for _, dirs, files in os.walk(folder):
+        if any(n.startswith(".") for n in (*dirs, *files)):
+            return True
+    return False
+
+
+def _take_modes(new: Path, old: Path) -> None:
+    """Give folder ``new`` and each file in it the mode (and owner, where allowed) of the
+    folder or file at the same place in ``old``, where there is one."""
+    _take_mode(new, old, None)
+    for root, _, files in os.walk(new):
+        for name in files:
+            there = Path(root) / name
+            _take_mode(there, old / there.relative_to(new), None)
+
+
+def _take_mode(tmp: Path, path: Path, default: int | None) -> None:
+    """Give ``tmp`` the permission bits and owner of ``path``, which it is about to replace
+    (like ``sed -i``: private weights stay private); ``default`` bits where there is no such
+    file (None: leave them)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or stat.S_ISDIR(st.st_mode) != tmp.is_dir():
+        if default is not None:
+            os.chmod(tmp, default)
+        return
+    mine = os.stat(tmp)
+    if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
+        with contextlib.suppress(OSError):  # only root may give a file away
+            os.chown(tmp, st.st_uid, st.st_gid)
+    os.chmod(tmp, stat.S_IMODE(st.st_mode))
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -304,6 +304,8 @@ def _run_child(paths: list[str], wfd: int) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
         # Hold none of the parent's files: a pipe on stdout must see its end when the parent
         # is done, whatever this child is doing.
         null = os.open(os.devnull, os.O_RDWR)

@@ -23,7 +23,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pulsectl._atomic import check_target, install, os_error, remove, temp_path
+from pulsectl._atomic import (
+    check_folder_target,
+    check_target,
+    install,
+    os_error,
+    remove,
+    temp_path,
+)
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
 from pulsectl.checkpoint import Checkpoint, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves, patch_in_place
@@ -77,12 +84,14 @@ def apply_patches(
     stdin: BinaryIO | None = None,
     durable: bool = False,
     device: str | None = None,
+    on_wait: Callable[[str], None] | None = None,
 ) -> ApplySummary:
     """Apply ``patches`` in order to ``base`` and write the verified result to ``out``.
 
     The result appears at ``out`` only once verified (temp file, then rename); ``durable`` also
     fsyncs it before the rename. ``device`` (a torch device name) scatters the decoded changes
-    into the base blocks there; None does it with numpy.
+    into the base blocks there; None does it with numpy. With ``in_place``, runs that update
+    the same BASE take turns (``on_wait`` is told when this one has to wait).
     """
     base_path = Path(base)
     if not patches:
@@ -102,6 +111,7 @@ def apply_patches(
         if out is None:
             raise UsageError("give -o OUT, or --in-place to update BASE")
         out_path = Path(out)
+        check_target(out_path, force=True)  # '-', a device or pipe: refused before any work
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
         if not out_path.is_dir():  # a folder is checked once the patch says what it makes
@@ -109,6 +119,8 @@ def apply_patches(
     workers = workers or default_workers()
 
     with contextlib.ExitStack() as stack:
+        if in_place:
+            stack.enter_context(_updating(base_path, on_wait))
         opened: list[tuple[PatchReader | None, PatchSource]] = []
         for source in patches:
             if isinstance(source, (str, Path)) and str(source) == "-":
@@ -150,6 +162,9 @@ def apply_patches(
                     path=out_path,
                 )
             check_target(out_path, force)
+            check_folder_target(
+                out_path, [base_path, *(Path(p) for p in patches if isinstance(p, (str, Path)))]
+            )
         _check_space(out_path, first_header.target_bytes)
 
         temps: list[Path] = []
@@ -198,6 +213,53 @@ def apply_patches(
                 remove(tmp)
             raise
     return ApplySummary(out_path, current_fp, len(patches), sum(r.size for r in refs))
+
+
+@contextlib.contextmanager
+def _updating(base: Path, on_wait: Callable[[str], None] | None) -> Iterator[None]:
+    """Hold an advisory lock on ``base`` (a file or folder) while --in-place replaces it.
+
+    Two in-place updates of one checkpoint (one per arriving block patch, say) would each read
+    the old BASE and the second rename would drop the first's changes; with the lock the second
+    waits, then reads what the first wrote. The lock is on the inode the path names; if the
+    path names another one by the time it is held (the other run renamed its result into
+    place), it is taken again on that one. Systems without flock (Windows) do without.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    told = False
+    while True:
+        try:
+            fd = os.open(base, os.O_RDONLY)
+        except OSError:
+            yield  # a missing or unreadable BASE is reported by the code that reads it
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait is not None and not told:
+                    on_wait(f"{base}: another pulsectl is updating it; waiting for it to finish")
+                    told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            now: os.stat_result | None = os.stat(base)
+        except OSError:
+            now = None  # between the two renames of a system without renameat2: look again
+        if now is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _batches(

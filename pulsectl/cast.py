@@ -41,7 +41,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pulsectl._atomic import atomic_file, check_target, install, os_error, remove, temp_path
+from pulsectl._atomic import (
+    atomic_file,
+    check_folder_target,
+    check_target,
+    install,
+    os_error,
+    remove,
+    temp_path,
+)
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import pread_array
 from pulsectl.checkpoint import (
@@ -270,6 +278,7 @@ def cast_checkpoint(
             _cast_file(entry, dst, f, counts, advance)
     else:
         check_target(out, force)
+        check_folder_target(out, [Path(source)])
         tmp = temp_path(out)
         try:
             tmp.mkdir()

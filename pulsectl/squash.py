@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import stat
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import atomic_file
+from pulsectl._atomic import atomic_file, check_target
 from pulsectl.codecs import (
     CODEC_CONTEXT,
     CODEC_COPY,
@@ -64,17 +66,24 @@ class SquashSummary:
 
 def squash_patches(
     patches: Sequence[str | Path],
-    out: str | Path,
+    out: str | Path | BinaryIO,
     *,
     base: str | Path | None = None,
     force: bool = False,
     options: DiffOptions | None = None,
 ) -> SquashSummary:
-    """Write one patch equivalent to applying ``patches`` in order; ``base`` is optional."""
+    """Write one patch equivalent to applying ``patches`` in order; ``base`` is optional.
+
+    ``out`` is a path (written atomically) or a binary stream (e.g. stdout)."""
     if not patches:
         raise UsageError("no patch given")
-    if any(str(p) == "-" for p in patches):
-        raise UsageError("squash reads patches by seeking; give files, not '-'")
+    for p in patches:
+        if str(p) == "-" or (os.path.exists(p) and stat.S_ISFIFO(os.stat(p).st_mode)):
+            shown = "'-'" if str(p) == "-" else f"a pipe ({p})"
+            raise UsageError(f"squash reads patches by seeking; give files, not {shown}")
+    if isinstance(out, (str, Path)):
+        out = Path(out)
+        check_target(out, force)  # before the patches are read
     infos = [read_patch_info(p, check=True) for p in patches]
     for prev, nxt in zip(infos, infos[1:], strict=False):
         if nxt.header.base_fingerprint != prev.trailer.target_fingerprint:
@@ -87,7 +96,6 @@ def squash_patches(
                 actual=prev.trailer.target_fingerprint,
             )
     input_bytes = sum(i.size or 0 for i in infos)
-    out = Path(out)
     if base is not None:
         return _squash_with_base(patches, out, Path(base), force, options, infos, input_bytes)
     if options is not None and options.context:
@@ -102,7 +110,8 @@ def squash_patches(
     with contextlib.ExitStack() as stack:
         streams = [stack.enter_context(open(p, "rb")) for p in patches]
         header, trailer_items = _compose_header(infos)
-        with atomic_file(out, force) as f:
+        sink = atomic_file(out, force) if isinstance(out, Path) else contextlib.nullcontext(out)
+        with sink as f:
             writer = PatchWriter(f, header.to_json())
             results: list[ItemResult] = []
             for index, (item, chain) in enumerate(trailer_items):
@@ -310,7 +319,7 @@ def _add_moves(
 
 def _squash_with_base(
     patches: Sequence[str | Path],
-    out: Path,
+    out: Path | BinaryIO,
     base: Path,
     force: bool,
     options: DiffOptions | None,
@@ -318,13 +327,20 @@ def _squash_with_base(
     input_bytes: int,
 ) -> SquashSummary:
     from pulsectl.apply import apply_patches
-    from pulsectl.diff import diff_to_path
+    from pulsectl.diff import diff_checkpoints, diff_to_path
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".pulsectl-squash-", dir=out.parent) as tmp:
+    # The chain's target is rebuilt beside the output (or in $TMPDIR for a stream).
+    near = None
+    if isinstance(out, Path):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        near = out.parent
+    with tempfile.TemporaryDirectory(prefix=".pulsectl-squash-", dir=near) as tmp:
         target = Path(tmp) / "target"
         apply_patches(base, list(patches), target)
-        summary = diff_to_path(base, target, out, force=force, options=options)
+        if isinstance(out, Path):
+            summary = diff_to_path(base, target, out, force=force, options=options)
+        else:
+            summary = diff_checkpoints(base, target, out, options=options)
     return SquashSummary(
         len(patches),
         input_bytes,

@@ -335,7 +335,14 @@ def test_an_existing_folder_as_output(
     argv = ["apply", str(sharded_chain[0]), str(sp), "-o", str(folder)]
     assert main(argv) == 1
     assert "output exists; pass -f to overwrite" in _error_line(capsys.readouterr().err)
-    assert main(["-q", *argv, "-f"]) == 0
+    # A folder of other files is not replaced, even with -f (tests/test_outputs.py).
+    assert main(["-q", *argv, "-f"]) == 1
+    assert "is a folder of other files" in _error_line(capsys.readouterr().err)
+    assert [x.name for x in folder.iterdir()] == ["keep.txt"]
+    (folder / "keep.txt").unlink()
+    assert main(["-q", *argv]) == 0  # an empty folder is no output yet
+    assert tree_bytes(folder) == tree_bytes(sharded_chain[1])
+    assert main(["-q", *argv, "-f"]) == 0  # a checkpoint folder is replaced with -f
     assert tree_bytes(folder) == tree_bytes(sharded_chain[1])
 
 

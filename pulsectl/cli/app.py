@@ -99,6 +99,14 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _end_like_ctrl_c() -> None:
+    """SIGTERM, and SIGHUP (a closed terminal or tmux pane) unless ignored (nohup), end the
+    run as Ctrl-C does: temps removed, one line, exit 130."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _on_sigterm)
+
+
 _GLOBAL_FLAGS = ("-q", "--quiet", "-v", "--verbose")
 
 
@@ -116,7 +124,7 @@ def _hoist_global_flags(args: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure becomes one ``pulsectl: error: ...`` line and an exit code."""
     args = _hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _end_like_ctrl_c()
     real_stdout = sys.stdout
     sys.stdout = GuardedStdout(real_stdout)  # a failed write to stdout is one line
     try:

@@ -48,6 +48,7 @@ def apply(
             progress=progress,
             durable=fsync,
             device=resolve(device),
+            on_wait=out.info,
         )
     out.info(
         f"wrote {summary.output} ({summary.target_bytes:,} bytes, fingerprint "

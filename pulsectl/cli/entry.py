@@ -48,6 +48,8 @@ def _quiet_blas() -> None:
 
 def run() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _on_sigterm)  # a closed terminal: as SIGTERM (not nohup)
     _keep_freed_memory()
     _quiet_blas()
     try:

@@ -17,7 +17,10 @@ def squash(
         list[Path], typer.Argument(metavar="PATCH...", help="Patch files in chain order.")
     ],
     output: Annotated[
-        Path, typer.Option("--output", "-o", metavar="PATCH", help="The squashed patch.")
+        Path,
+        typer.Option(
+            "--output", "-o", metavar="PATCH", help="The squashed patch; '-' writes it to stdout."
+        ),
     ],
     base: Annotated[
         Path | None,
@@ -34,14 +37,18 @@ def squash(
     force: Force = False,
 ) -> None:
     """Write one patch equivalent to the chain: the base of the first, the target of the last."""
+    from pulsectl.cli._output import binary_stdout
     from pulsectl.cli.diff import parse_level
     from pulsectl.squash import squash_patches
 
     out: Output = ctx.obj
     options = parse_level(level, 1)
-    summary = squash_patches(patches, output, base=base, force=force, options=options)
+    stdout = str(output) == "-"
+    sink = binary_stdout() if stdout else output  # a terminal is refused before any work
+    summary = squash_patches(patches, sink, base=base, force=force, options=options)
     out.info(
-        f"squashed {summary.patches} patches ({summary.input_bytes:,} bytes) into {output} "
+        f"squashed {summary.patches} patches ({summary.input_bytes:,} bytes) into "
+        f"{'stdout' if stdout else output} "
         f"({summary.patch_bytes:,} bytes); base {summary.base_fingerprint}, target "
         f"{summary.target_fingerprint}"
     )

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from pulsectl._atomic import install, os_error, remove
+from pulsectl._atomic import check_folder_target, check_target, install, os_error, remove
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.errors import InputError, IntegrityError, OutputError
@@ -83,8 +83,12 @@ def pull(
     ``out`` that is not a step of the store is replaced only with ``force``.
     """
     say = log or (lambda _msg: None)
+    # A folder store's own folder must not be inside the folder that the result replaces.
+    inputs = [Path(store)] if isinstance(store, (str, Path)) and "://" not in str(store) else []
     store = store if isinstance(store, Store) else open_store(store)
     out = Path(out)
+    check_target(out, force=True)  # '-', a device or pipe, or a missing folder: refused
+    check_folder_target(out, inputs)
     if prefetch < 1:
         raise InputError(f"prefetch {prefetch}: give 1 or more")
     catalog = Catalog(store)

@@ -1,0 +1,248 @@
+"""What an output may replace, and what replacing it keeps.
+
+- A folder output (in place or with -f) keeps what a folder checkpoint leaves out: hidden
+  entries such as `.git` move from the old folder into the new one.
+- A folder is not replaced when it holds an input or the current folder, or holds files but no
+  checkpoint; a device, pipe or socket is never replaced; `-o -` is stdout only where the
+  command can stream (diff, squash), and refused elsewhere.
+- A replaced file keeps its permission bits (and owner, where the user may set it).
+- Two `apply --in-place` runs on one BASE take turns: the second applies its patch to what the
+  first wrote, instead of silently dropping the first's changes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tree_bytes
+
+from pulsectl.apply import apply_patches
+from pulsectl.cli.app import main
+from pulsectl.diff import DiffOptions, diff_to_path
+
+
+def _cli(*args: str, cwd: Path | None = None, **kw: object) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "pulsectl", *args],
+        capture_output=True,
+        cwd=cwd,
+        check=False,
+        timeout=120,
+        **kw,
+    )
+
+
+def _error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("pulsectl: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture()
+def folders(sharded_chain: list[Path], tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A writable copy of a folder checkpoint, its patch to the next step, and that step."""
+    base = tmp_path / "model"
+    shutil.copytree(sharded_chain[0], base)
+    patch = tmp_path / "step.pulse"
+    diff_to_path(sharded_chain[0], sharded_chain[1], patch, options=DiffOptions(workers=1))
+    return base, patch, sharded_chain[1]
+
+
+def _add_hidden(folder: Path) -> None:
+    """A git checkout's and a download cache's hidden entries, top level and nested."""
+    (folder / ".git" / "objects").mkdir(parents=True)
+    (folder / ".git" / "HEAD").write_bytes(b"ref: refs/heads/main\n")
+    (folder / ".git" / "objects" / "ab").write_bytes(b"\x00lfs object")
+    (folder / ".gitattributes").write_bytes(b"*.safetensors filter=lfs\n")
+    (folder / "extra" / ".cache").mkdir(parents=True)
+    (folder / "extra" / ".cache" / "meta").write_bytes(b"etag")
+
+
+def _hidden(folder: Path) -> dict[str, bytes]:
+    return {k: v for k, v in tree_bytes(folder).items() if k.startswith(".") or "/." in k}
+
+
+def _visible(folder: Path) -> dict[str, bytes]:
+    return {k: v for k, v in tree_bytes(folder).items() if not (k.startswith(".") or "/." in k)}
+
+
+def test_in_place_on_a_folder_keeps_its_hidden_entries(folders: tuple[Path, Path, Path]) -> None:
+    base, patch, target = folders
+    _add_hidden(base)
+    hidden = _hidden(base)
+    assert set(hidden) == {".git/HEAD", ".git/objects/ab", ".gitattributes", "extra/.cache/meta"}
+    assert main(["-q", "apply", str(base), str(patch), "--in-place"]) == 0
+    assert _visible(base) == tree_bytes(target)
+    assert _hidden(base) == hidden
+    assert not [p for p in base.parent.iterdir() if ".pulsectl-" in p.name]
+
+
+def test_a_checkpoint_folder_replaced_with_force_keeps_hidden_entries(
+    folders: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    base, patch, target = folders
+    out = tmp_path / "out"
+    shutil.copytree(base, out)  # an earlier output: a checkpoint folder
+    _add_hidden(out)
+    hidden = _hidden(out)
+    mode = 0o750
+    out.chmod(mode)
+    assert main(["-q", "apply", str(base), str(patch), "-o", str(out), "-f"]) == 0
+    assert _visible(out) == tree_bytes(target)
+    assert _hidden(out) == hidden
+    assert stat.S_IMODE(out.stat().st_mode) == mode
+
+
+@pytest.mark.parametrize("where", ["base", "patch", "cwd"])
+def test_a_folder_holding_an_input_or_the_current_folder_is_not_replaced(
+    folders: tuple[Path, Path, Path], tmp_path: Path, where: str
+) -> None:
+    base, patch, _ = folders
+    out = tmp_path / "outer"
+    out.mkdir()
+    shutil.copytree(base, out / "ckpt")  # a checkpoint inside: -f alone would replace it
+    argv = ["apply", str(base), str(patch), "-o", str(out), "-f"]
+    cwd = None
+    if where == "base":
+        base = shutil.move(base, out / "model")
+        argv[1] = str(base)
+    elif where == "patch":
+        patch = shutil.move(patch, out / "step.pulse")
+        argv[2] = str(patch)
+    else:
+        cwd = out / "ckpt"
+    before = tree_bytes(out)
+    run = _cli(*argv, cwd=cwd)
+    assert run.returncode == 1, run.stderr
+    which = "the current folder" if where == "cwd" else "an input"
+    line = _error(run.stderr.decode())
+    assert line.startswith(f"pulsectl: error: {out}: holds ") and which in line, line
+    assert tree_bytes(out) == before
+
+
+def test_a_folder_of_other_files_is_not_replaced(
+    folders: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    base, patch, _ = folders
+    out = tmp_path / "work"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "thesis.txt").write_text("years of work")
+    for args in (["apply", str(base), str(patch)], ["cast", str(base), "--to", "f16"]):
+        run = _cli(*args, "-o", str(out), "-f")
+        assert run.returncode == 1
+        assert "is a folder of other files" in _error(run.stderr.decode())
+    assert tree_bytes(out) == {"data/thesis.txt": b"years of work"}
+
+
+def test_a_pipe_is_never_replaced(chain: list[Path], tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    patch, later = tmp_path / "p.pulse", tmp_path / "q.pulse"
+    diff_to_path(chain[0], chain[1], patch)
+    diff_to_path(chain[1], chain[2], later)
+    for argv in (
+        ["diff", str(chain[0]), str(chain[1])],
+        ["apply", str(chain[0]), str(patch)],
+        ["cast", str(chain[0]), "--to", "f16"],
+        ["squash", str(patch), str(later)],
+    ):
+        run = _cli(*argv, "-o", str(fifo), "-f")
+        assert run.returncode == 1, (argv, run.stderr)
+        assert "is a device, pipe or socket" in _error(run.stderr.decode())
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_dash_is_stdout_only_where_a_command_streams(chain: list[Path], tmp_path: Path) -> None:
+    p1, p2 = tmp_path / "1.pulse", tmp_path / "2.pulse"
+    diff_to_path(chain[0], chain[1], p1)
+    diff_to_path(chain[1], chain[2], p2)
+    for argv in (["apply", str(chain[0]), str(p1)], ["cast", str(chain[0]), "--to", "f16"]):
+        run = _cli(*argv, "-o", "-", cwd=tmp_path)
+        assert run.returncode == 2, run.stderr
+        assert "-o -: this command writes its output as a file" in _error(run.stderr.decode())
+        assert run.stdout == b""
+    assert not (tmp_path / "-").exists()
+    # squash streams: the same bytes as written to a file.
+    squashed = tmp_path / "s.pulse"
+    assert _cli("-q", "squash", str(p1), str(p2), "-o", str(squashed)).returncode == 0
+    run = _cli("-q", "squash", str(p1), str(p2), "-o", "-", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == squashed.read_bytes()
+    assert not (tmp_path / "-").exists()
+
+
+def test_squash_refuses_a_pipe_as_input(chain: list[Path], tmp_path: Path) -> None:
+    p1 = tmp_path / "1.pulse"
+    diff_to_path(chain[0], chain[1], p1)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    run = _cli("squash", str(p1), str(fifo), "-o", str(tmp_path / "s.pulse"))
+    assert run.returncode == 2
+    assert _error(run.stderr.decode()) == (
+        f"pulsectl: error: squash reads patches by seeking; give files, not a pipe ({fifo})"
+    )
+
+
+def test_a_replaced_file_keeps_its_mode_and_owner(chain: list[Path], tmp_path: Path) -> None:
+    base = tmp_path / "model.safetensors"
+    shutil.copyfile(chain[0], base)
+    base.chmod(0o600)
+    owner = (65534, 65534) if os.geteuid() == 0 else (os.getuid(), os.getgid())
+    if os.geteuid() == 0:
+        os.chown(base, *owner)
+    patch = tmp_path / "p.pulse"
+    patch.write_bytes(b"")
+    patch.chmod(0o640)
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch), "-f"]) == 0
+    assert stat.S_IMODE(patch.stat().st_mode) == 0o640
+    assert main(["-q", "apply", str(base), str(patch), "--in-place"]) == 0
+    assert base.read_bytes() == chain[1].read_bytes()
+    st = base.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert (st.st_uid, st.st_gid) == owner
+    fresh = tmp_path / "fresh.pulse"  # a new file gets the usual bits
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(fresh)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o644 & ~umask
+
+
+def test_in_place_runs_on_one_base_take_turns(chain: list[Path], tmp_path: Path) -> None:
+    """A run that finds BASE locked waits; once the other run has renamed its result into
+    place, it applies its own block patch to that result."""
+    base = tmp_path / "model.safetensors"
+    shutil.copyfile(chain[0], base)
+    run = _cli("diff", str(chain[0]), str(chain[1]), "--blocks", "2", "-o", str(tmp_path / "b"))
+    assert run.returncode == 0, run.stderr
+    blocks = sorted(tmp_path.glob("b.*.pulse"))
+    assert len(blocks) >= 2
+    first, rest = blocks[0], blocks[1:]
+    held = os.open(base, os.O_RDONLY)  # as another run updating BASE would hold it
+    fcntl.flock(held, fcntl.LOCK_EX)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pulsectl", "apply", str(base), *map(str, rest), "--in-place"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()
+        assert line == f"{base}: another pulsectl is updating it; waiting for it to finish\n"
+        time.sleep(0.2)
+        assert proc.poll() is None and base.read_bytes() == chain[0].read_bytes()
+        # The other run finishes: its result is renamed over BASE, then its lock goes.
+        done = tmp_path / "first.safetensors"
+        apply_patches(chain[0], [first], done)
+        os.replace(done, base)
+    finally:
+        os.close(held)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert base.read_bytes() == chain[1].read_bytes()
