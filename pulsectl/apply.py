@@ -197,9 +197,17 @@ def apply_patches(
                 dest = temp_path(out_path)
                 temps.append(dest)
                 last = batch[-1] == len(opened) - 1
-                refs, current_fp = _apply_parts(
-                    parts, current, dest, workers, progress, durable and last, device
-                )
+                try:
+                    refs, current_fp = _apply_parts(
+                        parts, current, dest, workers, progress, durable and last, device
+                    )
+                except IntegrityError as exc:
+                    if current.root == base_path:
+                        raise
+                    # The base of this batch is the temp that the patches before it wrote:
+                    # name it as the user knows it.
+                    earlier = opened[i - 1][0]
+                    raise _as_left_by(exc, current.root, base_path, earlier) from exc
                 if len(temps) > 1:
                     remove(temps[0])  # then forget it: an interrupt in between still removes it
                     del temps[0]
@@ -260,6 +268,22 @@ def _updating(base: Path, on_wait: Callable[[str], None] | None) -> Iterator[Non
         yield
     finally:
         os.close(fd)
+
+
+def _as_left_by(
+    exc: IntegrityError, temp: Path, base: Path, earlier: PatchReader | None
+) -> IntegrityError:
+    """``exc`` about a file of ``temp`` (the result of the earlier patches of a chain) with
+    that file named as BASE as ``earlier``, the patch before, left it."""
+    label = f"{base} (as {earlier.name if earlier else 'the patch before'} left it)"
+    path = (exc.path or "").replace(str(temp), label, 1)
+    return type(exc)(
+        exc.message.replace(str(temp), label, 1),
+        path=path or None,
+        tensor=exc.tensor,
+        expected=exc.expected,
+        actual=exc.actual,
+    )
 
 
 def _batches(

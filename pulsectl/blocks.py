@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, DiffSummary, diff_to_path
 from pulsectl.errors import OutputError, UsageError
+from pulsectl.format import MAGIC
 from pulsectl.stats import layer_index
 
 
@@ -38,8 +41,26 @@ def block_groups(names: list[str], n: int) -> list[tuple[str, list[str]]]:
 
 def block_paths(out: Path, labels: list[str]) -> list[Path]:
     """``step.pulse`` -> ``step.block0.pulse``, ..., ``step.rest.pulse``."""
-    stem = out.name[: -len(".pulse")] if out.name.endswith(".pulse") else out.name
-    return [out.with_name(f"{stem}.{label}.pulse") for label in labels]
+    return [out.with_name(f"{_stem(out)}.{label}.pulse") for label in labels]
+
+
+def _stem(out: Path) -> str:
+    return out.name[: -len(".pulse")] if out.name.endswith(".pulse") else out.name
+
+
+def stale_blocks(out: Path, paths: list[Path]) -> list[Path]:
+    """Block patches of an earlier ``--blocks`` run to ``out`` that this run does not write
+    (it has fewer blocks, or no rest): ``STEM.blockN.pulse`` and ``STEM.rest.pulse`` files
+    that are .pulse patches. Left beside the new set, a glob would pick them up."""
+    pattern = re.compile(re.escape(_stem(out)) + r"\.(block[0-9]+|rest)\.pulse")
+    found = []
+    for path in sorted(out.parent.iterdir()) if out.parent.is_dir() else []:
+        if path in paths or not pattern.fullmatch(path.name) or not path.is_file():
+            continue
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) == MAGIC:
+                found.append(path)
+    return found
 
 
 def diff_blocks(
@@ -51,14 +72,20 @@ def diff_blocks(
     force: bool = False,
     options: DiffOptions | None = None,
     durable: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> list[tuple[Path, DiffSummary]]:
-    """Write the update from ``old`` to ``new`` as ``n`` layer-block patches plus the rest."""
+    """Write the update from ``old`` to ``new`` as ``n`` layer-block patches plus the rest.
+
+    The patches are one output: without ``force`` none of them, nor a block patch of an
+    earlier run to ``out``, may exist; with it, those of an earlier run that this one does not
+    write are removed once the new ones are written (``say`` is told of each)."""
     options = options or DiffOptions()
     names = [t.name for _, t in Checkpoint.open(new).tensors()]
     groups = block_groups(names, n)
     paths = block_paths(Path(out), [label for label, _ in groups])
+    stale = stale_blocks(Path(out), paths)
     if not force:
-        for path in paths:
+        for path in [*paths, *stale]:
             if path.exists():
                 raise OutputError(f"{path}: output exists; pass -f to overwrite", path=path)
     written = []
@@ -66,4 +93,8 @@ def diff_blocks(
         selected = dataclasses.replace(options, tensors=tuple(glob.escape(m) for m in members))
         summary = diff_to_path(old, new, path, force=force, options=selected, durable=durable)
         written.append((path, summary))
+    for path in stale:
+        path.unlink(missing_ok=True)
+        if say is not None:
+            say(f"{path}: removed (a block patch of an earlier run, not part of this one)")
     return written

@@ -11,7 +11,7 @@ from pulsectl.apply import apply_patches
 from pulsectl.blocks import block_groups, diff_blocks
 from pulsectl.cli.app import main
 from pulsectl.diff import DiffOptions, diff_to_path
-from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.errors import IntegrityError, OutputError, UsageError
 from pulsectl.info import read_patch_info, verify_checkpoint
 from pulsectl.synth import generate_chain
 
@@ -123,3 +123,45 @@ def test_one_stale_block_in_a_batch_refuses_the_batch(tmp_path: Path, chain):
     with pytest.raises(IntegrityError, match="stale or already applied"):
         apply_patches(s0, [b01[1][0], b12[0][0]], tmp_path / "x.safetensors")
     assert not list(tmp_path.glob("*x.safetensors*"))
+
+
+def test_a_block_set_replaces_the_blocks_of_an_earlier_run(tmp_path: Path, chain):
+    """Block patches written with -f replace the earlier set to the same -o whole: a block
+    of an earlier run with more blocks is removed, so that `STEM.*.pulse` is this run's."""
+    old, new = chain[0], chain[1]
+    out = tmp_path / "x.pulse"
+    earlier = [p.name for p, _ in diff_blocks(old, new, out, 2, options=OPTIONS)]
+    assert earlier == ["x.block0.pulse", "x.block1.pulse", "x.rest.pulse"]
+    mine = tmp_path / "x.block7.pulse"  # not a patch: never touched
+    mine.write_bytes(b"notes")
+    for name in ("x.block0.pulse", "x.rest.pulse"):
+        (tmp_path / name).unlink()
+    # Only the earlier run's block 1 is left: it is part of the output all the same.
+    with pytest.raises(OutputError, match="x.block1.pulse: output exists"):
+        diff_blocks(old, new, out, 1, options=OPTIONS)
+    said: list[str] = []
+    written = diff_blocks(old, new, out, 1, options=OPTIONS, force=True, say=said.append)
+    assert said == [
+        f"{tmp_path / 'x.block1.pulse'}: removed (a block patch of an earlier run, not part "
+        "of this one)"
+    ]
+    assert sorted(p.name for p in tmp_path.glob("x.*.pulse")) == sorted(
+        [p.name for p, _ in written] + ["x.block7.pulse"]
+    )
+    assert mine.read_bytes() == b"notes"
+    mine.unlink()
+    result = tmp_path / "out.safetensors"
+    apply_patches(old, sorted(tmp_path.glob("x.*.pulse")), result)
+    assert result.read_bytes() == new.read_bytes()
+
+
+def test_an_error_in_a_chain_names_base_as_the_patches_before_left_it(tmp_path: Path, chain):
+    s0, s1, _ = chain
+    block0 = diff_blocks(s0, s1, tmp_path / "a.pulse", 2, options=OPTIONS)[0][0]
+    with pytest.raises(IntegrityError) as caught:
+        apply_patches(s0, [block0, block0], tmp_path / "twice.safetensors")  # applied twice
+    message = caught.value.message
+    assert message.startswith(f"{s0} (as {block0} left it): wrong base for {block0}: "), message
+    assert "stale or already applied" in message and ".pulsectl-tmp-" not in message
+    assert caught.value.path == f"{s0} (as {block0} left it)"
+    assert not list(tmp_path.glob(".*pulsectl-tmp*"))

@@ -125,9 +125,17 @@ def _run(
         from pulsectl.blocks import diff_blocks
 
         assert output is not None
-        for path, summary in diff_blocks(
-            old, new, Path(output), blocks, force=force, options=options, durable=fsync
-        ):
+        written = diff_blocks(
+            old,
+            new,
+            Path(output),
+            blocks,
+            force=force,
+            options=options,
+            durable=fsync,
+            say=out.info,
+        )
+        for path, summary in written:
             out.info(
                 f"{path}: {summary.changed_words:,} words changed, {summary.patch_bytes:,} bytes"
             )
