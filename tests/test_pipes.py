@@ -237,3 +237,23 @@ def test_stdout_closed_or_full_is_one_line(ab: Path, redirect: str) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert (ab / "q").read_bytes() == (ab / "p").read_bytes()
+
+
+def test_closed_stderr_or_stdin_takes_no_output_with_it(ab: Path) -> None:
+    """Started with stderr (or stdin) closed, a command runs as usual and its failures keep
+    their exit codes. A closed descriptor 0-2 is the next one handed out: without care the
+    hash child's pipe or an output's temp file would get it, and messages meant for stderr
+    would be written into it (or fail with an AttributeError on the None sys.stderr)."""
+    r = sh("pulsectl diff a.safetensors b.safetensors -o p 2>&- <&-", ab)
+    assert r.returncode == 0 and r.stderr == b""
+    assert sh("pulsectl diff a.safetensors b.safetensors -o q", ab).returncode == 0
+    assert (ab / "p").read_bytes() == (ab / "q").read_bytes()
+    r = sh("pulsectl apply a.safetensors p -o out.safetensors 2>&-", ab)
+    assert r.returncode == 0
+    assert (ab / "out.safetensors").read_bytes() == (ab / "b.safetensors").read_bytes()
+    before = sorted(p.name for p in ab.iterdir())
+    r = sh("pulsectl apply b.safetensors p -o wrong.safetensors 2>&-", ab)  # wrong base
+    assert (r.returncode, r.stderr) == (3, b"")
+    r = sh("pulsectl diff a.safetensors missing.safetensors -o r 2>&-", ab)
+    assert (r.returncode, r.stderr) == (1, b"")
+    assert sorted(p.name for p in ab.iterdir()) == before

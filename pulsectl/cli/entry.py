@@ -46,7 +46,30 @@ def _quiet_blas() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def _hold_standard_fds() -> None:
+    """Put /dev/null on stdin, stdout or stderr where the process was started without it
+    (`2>&-`), before anything is opened.
+
+    A closed descriptor 0-2 is the next one the system hands out: the hash child's pipe, or an
+    output's temp file, would get it, and a write meant for stderr (a message, a traceback)
+    would land in that file. Python has already made ``sys.stdout`` (or ``sys.stderr``) None
+    for such a descriptor, so a command that must write to stdout still says it is closed;
+    ``sys.stderr`` gets the null device, so messages go nowhere instead of failing.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # the lowest free number: fd itself, unless one below it was free
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
 def run() -> None:
+    _hold_standard_fds()
     signal.signal(signal.SIGTERM, _on_sigterm)
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, _on_sigterm)  # a closed terminal: as SIGTERM (not nohup)
