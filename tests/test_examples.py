@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 
@@ -30,3 +37,91 @@ def test_trainer_then_worker(tmp_path: Path):
         line.split()[-1] for line in worker.stdout.splitlines() if line.startswith("applied")
     ]
     assert applied == [t.rstrip(")") for t in targets]
+
+
+DOCS = EXAMPLES.parent
+README = DOCS.parent / "README.md"
+_FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
+_SIGNATURE = re.compile(r"`\.?([A-Za-z_]\w*)\(([^`]*)\)(?: -> [^`]+)?`")
+
+
+def _api_names() -> dict[str, Callable[..., Any]]:
+    """The names docs/API.md and the README's Python example document, by the name they use."""
+    torch_api = pytest.importorskip("pulsectl.torch_api")
+    from pulsectl.apply import apply_patches
+    from pulsectl.diff import DiffOptions, diff_checkpoints, diff_to_path
+    from pulsectl.info import read_patch_info, verify_checkpoint
+    from pulsectl.squash import squash_patches
+
+    names: dict[str, Callable[..., Any]] = {
+        "DiffOptions": DiffOptions,
+        "diff_to_path": diff_to_path,
+        "diff_checkpoints": diff_checkpoints,
+        "apply_patches": apply_patches,
+        "read_patch_info": read_patch_info,
+        "verify_checkpoint": verify_checkpoint,
+        "squash_patches": squash_patches,
+        "anchor": torch_api.Publisher.anchor,
+        "publish": torch_api.Publisher.publish,
+    }
+    names.update({name: getattr(torch_api, name) for name in torch_api.__all__})
+    return names
+
+
+def _parameters(func: Callable[..., Any]) -> list[inspect.Parameter]:
+    return [p for p in inspect.signature(func).parameters.values() if p.name != "self"]
+
+
+def test_api_doc_signatures_match_the_code():
+    """Every `name(params)` span in docs/API.md names real parameters with their real defaults."""
+    names = _api_names()
+    text = _FENCE.sub("", (DOCS / "API.md").read_text())
+    checked = set()
+    for name, params in _SIGNATURE.findall(text):
+        if name not in names:
+            continue
+        real = {p.name: p for p in _parameters(names[name])}
+        positional = [p.name for p in real.values() if p.default is inspect.Parameter.empty]
+        documented = [s.strip() for s in params.replace("\n", " ").split(",") if s.strip()]
+        required = [s for s in documented if "=" not in s and s not in ("*", "...")]
+        assert required == positional, f"{name}: documented {required}, code has {positional}"
+        for item in documented:
+            if "=" not in item:
+                continue
+            key, value = (s.strip() for s in item.split("=", 1))
+            assert key in real, f"{name}: no parameter {key!r} (code: {list(real)})"
+            if value != "...":
+                assert ast.literal_eval(value) == real[key].default, f"{name}({key}=...)"
+        checked.add(name)
+    assert (
+        set(names) - {"read_patch_info", "verify_checkpoint", "diff_to_path", "diff_checkpoints"}
+        <= checked
+    )
+
+
+def _calls(source: str) -> list[ast.Call]:
+    return [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
+
+
+def test_api_doc_examples_call_real_parameters():
+    """The Python examples in docs/API.md and the README bind to the real signatures."""
+    names = _api_names()
+    blocks = [
+        code
+        for doc in (DOCS / "API.md", README)
+        for lang, code in _FENCE.findall(doc.read_text())
+        if lang == "python"
+    ]
+    bound = set()
+    for call in (c for code in blocks for c in _calls(code)):
+        func = call.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name not in names:
+            continue
+        args = [None] * len(call.args)
+        kwargs = {k.arg: None for k in call.keywords if k.arg is not None}
+        inspect.signature(names[name]).bind(
+            *([None] if name in ("anchor", "publish") else []), *args, **kwargs
+        )
+        bound.add(name)
+    assert {"diff_to_path", "apply_patches", "Publisher", "anchor", "apply_patch"} <= bound
