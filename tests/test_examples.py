@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
+import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -125,3 +129,87 @@ def test_api_doc_examples_call_real_parameters():
         )
         bound.add(name)
     assert {"diff_to_path", "apply_patches", "Publisher", "anchor", "apply_patch"} <= bound
+
+
+def _pulsectl(args: str, cwd: Path) -> str:
+    """Run a README command line (``pulsectl ...``, bash brace expansion) in ``cwd``; stdout."""
+    env = {**os.environ, "COLUMNS": "200"}
+    command = args.replace("pulsectl ", f"{shlex.quote(sys.executable)} -m pulsectl ", 1)
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def demo_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The README's stats walk-through: its setup line, run as written."""
+    section = README.read_text().split("## How sparse are my updates?")[1]
+    setup = _FENCE.findall(section)[0][1].strip()
+    assert setup == "pulsectl demo --keep demo --steps 4 && cd demo/chain"
+    root = tmp_path_factory.mktemp("readme")
+    _pulsectl(setup.split(" && ")[0], root)
+    return root / "demo" / "chain"
+
+
+def test_readme_stats_example_is_what_stats_prints(demo_chain: Path):
+    """Each shown line of the README's `pulsectl stats` excerpt is a line of the real output."""
+    section = README.read_text().split("## How sparse are my updates?")[1]
+    shown = _FENCE.findall(section)[1][1]
+    runs = re.split(r"^\$ ", shown, flags=re.M)[1:]
+    assert len(runs) == 2
+    for run in runs:
+        command, *lines = run.splitlines()
+        command = command.split("#")[0].strip()
+        if importlib.util.find_spec("matplotlib") is None:
+            command = re.sub(r" --plot \S+", "", command)
+        printed = {line.rstrip() for line in _pulsectl(command, demo_chain).splitlines()}
+        for line in lines:
+            if line.strip() not in ("", "..."):
+                assert line.rstrip() in printed, f"{command}: {line!r} is not in the output"
+
+
+def _doc_json(doc: str, source: str) -> dict[str, Any]:
+    for lang, code in _FENCE.findall(doc):
+        if lang == "json" and f'"source": "{source}"' in code:
+            return json.loads(re.sub(r"//.*", "", code))
+    raise AssertionError(f"no {source} example")
+
+
+def _same(doc: Any, real: Any) -> bool:
+    """``doc`` is ``real`` as the docs trim it: floats rounded, lists cut short with "..."."""
+    if isinstance(doc, float):
+        digits = len(repr(doc).split(".")[1])
+        return isinstance(real, float) and round(real, digits) == doc
+    if isinstance(doc, dict):
+        return doc.keys() == real.keys() and all(_same(v, real[k]) for k, v in doc.items())
+    if isinstance(doc, list) and doc and doc[-1] == "...":
+        return len(real) >= len(doc) - 1 and _same(doc[:-1], real[: len(doc) - 1])
+    if isinstance(doc, list):
+        return len(doc) == len(real) and all(_same(d, r) for d, r in zip(doc, real, strict=True))
+    return doc == real
+
+
+def test_stats_doc_json_is_what_stats_prints(demo_chain: Path):
+    """docs/STATS.md's examples: the demo pair's and chain's --json, one entry per list kept."""
+    text = (DOCS / "STATS.md").read_text()
+    pair = json.loads(
+        _pulsectl("pulsectl stats step_000.safetensors step_001.safetensors --json", demo_chain)
+    )
+    doc = _doc_json(text, "pair")
+    keys = {"by_layer": "layer", "by_kind": "kind", "tensors": "name"}
+    for field, value in doc.items():
+        if field in keys:  # one entry per list: the real entry with the same key
+            key = keys[field]
+            for entry in value:
+                real = [e for e in pair[field] if e[key] == entry[key]]
+                assert real and _same(entry, real[0]), f"{field} {entry[key]}"
+        else:
+            assert _same(value, pair[field]), field
+    chain = json.loads(
+        _pulsectl("pulsectl stats step_00{0,1,2,3,4}.safetensors --json", demo_chain)
+    )
+    doc = _doc_json(text, "chain")
+    real_steps = {s["k"]: s for s in chain.pop("steps")}  # the doc keeps only some k
+    assert all(_same(s, real_steps[s["k"]]) for s in doc.pop("steps"))
+    assert _same(doc, chain)
