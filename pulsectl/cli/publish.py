@@ -66,8 +66,9 @@ def publish(
         typer.Option(
             "--cache",
             metavar="DIR",
-            help=f"Folder for the local copy of the last published step (default: ${CACHE_ENV} "
-            "or ~/.cache/pulsectl/publish/<store>).",
+            help="Folder for the local copy of the last published step (default: "
+            f"publish/<hash of the store> under ${CACHE_ENV}, else under "
+            "$XDG_CACHE_HOME/pulsectl or ~/.cache/pulsectl).",
         ),
     ] = None,
     level: Annotated[

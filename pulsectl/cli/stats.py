@@ -36,7 +36,10 @@ def stats(
     k: Annotated[
         str | None,
         typer.Option(
-            "--k", metavar="KS", help=f"Chain steps, e.g. {','.join(map(str, DEFAULT_KS))}."
+            "--k",
+            metavar="KS",
+            help=f"Chain steps k, comma-separated (default for a chain: "
+            f"{','.join(map(str, DEFAULT_KS))}).",
         ),
     ] = None,
     as_json: JsonFlag = False,
