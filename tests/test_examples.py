@@ -213,3 +213,30 @@ def test_stats_doc_json_is_what_stats_prints(demo_chain: Path):
     real_steps = {s["k"]: s for s in chain.pop("steps")}  # the doc keeps only some k
     assert all(_same(s, real_steps[s["k"]]) for s in doc.pop("steps"))
     assert _same(doc, chain)
+
+
+def test_every_cli_option_is_documented():
+    """Every option name (long or short) appears somewhere in the README or docs/*.md.
+
+    A weak guard: a new option name cannot go undocumented, but the same name documented for
+    another command counts.
+    """
+    import typer
+
+    from pulsectl.cli.app import app
+
+    text = README.read_text() + "".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+    missing = []
+
+    def walk(command: Any, path: str) -> None:  # a click Command (typer may vendor click)
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+        for param in command.params:
+            opts = [o for o in param.opts if o.startswith("-") and o != "--help"]
+            if opts and not any(
+                re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text) for o in opts
+            ):
+                missing.append(f"{path} {opts[0]}")
+
+    walk(typer.main.get_command(app), "pulsectl")
+    assert not missing
