@@ -39,7 +39,7 @@ class PatchInfo:
         return sum(i.nbytes // i.word for i in self.header.items)
 
     def to_json(self) -> dict[str, Any]:
-        """The documented `inspect --json` object (docs/CLI.md)."""
+        """The `inspect --json` object (its keys are stable: scripts read them)."""
         tensors = []
         infos: dict[tuple[int, str], TensorInfo] = {
             (f, t.name): t
