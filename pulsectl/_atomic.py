@@ -48,7 +48,7 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
             "renames it into place, which would replace it: give a file path",
             path=path,
         )
-    empty_folder = mode is not None and stat.S_ISDIR(mode) and not any(os.scandir(path))
+    empty_folder = mode is not None and stat.S_ISDIR(mode) and _empty(path)
     if mode is not None and not force and not empty_folder:
         raise OutputError(f"{path}: {what} exists; pass -f to overwrite", path=path)
     parent = path.parent
@@ -67,12 +67,16 @@ def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
     if not path.is_dir():
         return
     where = path.resolve()
-    for item in [*inputs, Path.cwd()]:
+    try:
+        here = [Path.cwd()]
+    except OSError:  # the current folder was removed
+        here = []
+    for item in [*inputs, *here]:
         if not item.exists():
             continue
         held = item.resolve()
         if held == where or held.is_relative_to(where):
-            which = "the current folder" if item == Path.cwd() else f"{item}, an input"
+            which = "the current folder" if item in here else f"{item}, an input"
             raise OutputError(
                 f"{path}: holds {which}; replacing the folder would remove it: write the "
                 "output to another folder",
@@ -85,6 +89,14 @@ def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
             "is replaced whole: give a new or empty folder, or remove this one first",
             path=path,
         )
+
+
+def _empty(folder: Path) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return next(entries, None) is None
+    except OSError:  # unreadable: not known to be empty
+        return False
 
 
 def _visible_files(folder: Path) -> Iterator[Path]:
