@@ -486,3 +486,56 @@ def test_cli_publish_pull_log_prune(
     assert "step 9 is not published; the latest is 5" in capsys.readouterr().err
     assert main(["pull", store, "-o", str(w), "--step", "x"]) == 2
     assert main(["publish", "ftp://x/y", str(trainer_chain[0])]) == 2
+
+
+def test_a_manifest_under_another_step_number_is_damaged(
+    published: Path, trainer_chain: list[Path], tmp_path: Path
+) -> None:
+    """A manifest copied to another step's name (a hand-made "fix", a bad mirror) must not
+    serve its own step as the other: it is refused as damaged, never pulled as that step."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    shutil.copyfile(store / manifest_key(3), store / manifest_key(STEPS + 1))
+    said: list[str] = []
+    out = tmp_path / "w.safetensors"
+    summary = pull(store, out, log=said.append)
+    assert summary.step == STEPS and out.read_bytes() == trainer_chain[STEPS].read_bytes()
+    assert f"the manifest of step {STEPS + 1} is damaged" in said[0]
+    assert "it describes step 3" in said[0]
+    with pytest.raises(Exception, match=f"step {STEPS + 1}: .*it describes step 3"):
+        pull(store, tmp_path / "x.safetensors", step=STEPS + 1)
+    assert read_log(store)["steps"][-1]["kind"] == "damaged"
+
+
+def test_a_damaged_latest_manifest_is_said_not_skipped_quietly(
+    published: Path, trainer_chain: list[Path], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    latest = store / manifest_key(STEPS)
+    latest.write_bytes(latest.read_bytes()[:100])
+    said: list[str] = []
+    out = tmp_path / "w.safetensors"
+    shutil.copyfile(trainer_chain[STEPS - 3], out)
+    assert pull(store, out, log=said.append).step == STEPS - 1
+    assert said[0].startswith(f"{store / manifest_key(STEPS)}: the manifest of step {STEPS} is ")
+    assert said[0].endswith(f"step {STEPS - 1} is the latest that can be pulled")
+    # A worker already on the damaged step is told that it may be that step.
+    on_latest = tmp_path / "latest.safetensors"
+    shutil.copyfile(trainer_chain[STEPS], on_latest)
+    with pytest.raises(OutputError, match=rf"damaged: {STEPS}\) \(fingerprint"):
+        pull(store, on_latest)
+    assert on_latest.read_bytes() == trainer_chain[STEPS].read_bytes()
+
+
+def test_prune_always_keeps_the_latest_step(published: Path, tmp_path: Path) -> None:
+    """--keep-steps 0 keeps the latest step all the same: workers are on it, and a pruned
+    latest step would let publish number a new step as it, with other content."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    # Step 30 is an anchor; with its manifest gone the latest is 29, a patch step whose
+    # chain goes back to anchor 20.
+    (store / manifest_key(STEPS)).unlink()
+    plan = prune(store, keep_anchors=1, keep_steps=0)
+    assert plan.kept_steps == tuple(range(20, STEPS))  # 29 and its chain back to anchor 20
+    assert read_log(store)["steps"][-1]["step"] == STEPS - 1

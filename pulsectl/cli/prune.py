@@ -22,7 +22,7 @@ def prune(
             "--keep-steps",
             metavar="S",
             min=0,
-            help="Keep the last S steps, with everything they need.",
+            help="Keep the last S steps (the latest always), with everything they need.",
         ),
     ],
     dry_run: Annotated[

@@ -41,7 +41,7 @@ class Catalog:
             return None
         try:
             key = manifest_key(step)
-            manifest = manifest_from_bytes(self.store.read(key), self.store.where(key))
+            manifest = manifest_from_bytes(self.store.read(key), key, self.store.where(key))
         except (MissingObjectError, FormatError) as exc:
             self.damaged[step] = str(exc)  # pruned meanwhile, or not a manifest
             return None

@@ -155,11 +155,13 @@ class StepManifest:
         return canonical_json(self.to_json())
 
 
-def manifest_from_bytes(data: bytes, key: str) -> StepManifest:
-    """Parse and check a manifest; FormatError naming ``key`` when it is not one."""
+def manifest_from_bytes(data: bytes, key: str, shown: str | None = None) -> StepManifest:
+    """Parse and check the manifest stored under ``key`` (``steps/00000042.json``: the step it
+    must describe); FormatError naming it as ``shown`` (default ``key``) when it is not one."""
+    name = shown or key
 
     def fail(what: str) -> FormatError:
-        return FormatError(f"{key}: not a valid step manifest: {what}", path=key)
+        return FormatError(f"{name}: not a valid step manifest: {what}", path=name)
 
     try:
         doc = json.loads(data.decode("utf-8"))

@@ -1,10 +1,10 @@
 """prune: delete old steps, never leaving a kept step without the anchor and patches it needs.
 
-Kept: the last ``keep_steps`` steps and the last ``keep_anchors`` anchors, plus, for every kept
-step, each step on its patch chain back to an anchor. Manifests go first (so no reader starts
-on a step whose objects are going), then the objects. Objects of steps up to the last published
-one that no kept manifest names (left by an interrupted publish) go too; nothing newer than the
-last manifest is touched, so a publish running meanwhile is safe.
+Kept: the last ``keep_steps`` steps (always the latest) and the last ``keep_anchors`` anchors,
+plus, for every kept step, each step on its patch chain back to an anchor. Manifests go first
+(so no reader starts on a step whose objects are going), then the objects. Objects of steps up
+to the last published one that no kept manifest names (left by an interrupted publish) go
+too; nothing newer than the last manifest is touched, so a publish running meanwhile is safe.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def plan_prune(store: Store, keep_anchors: int, keep_steps: int) -> PrunePlan:
     manifests = {m.step: m for m in catalog.load_all()}
     if not manifests:
         return PrunePlan((), (), ())
+    # The latest step is always kept: workers are on it, and publish numbers the next step
+    # after it (dropping it would let a step number come back with other content).
     kept: set[int] = set()
-    for step in sorted(manifests)[-keep_steps:] if keep_steps else []:
+    for step in sorted(manifests)[-max(keep_steps, 1) :]:
         kept |= _path_steps(manifests, manifests[step])
     anchors = [s for s in sorted(manifests) if manifests[s].anchor is not None]
     kept |= set(anchors[-keep_anchors:] if keep_anchors else [])

@@ -93,6 +93,14 @@ def pull(
         raise InputError(f"prefetch {prefetch}: give 1 or more")
     catalog = Catalog(store)
     target = _target(catalog, store, step)
+    skipped = [s for s in catalog.steps if s > target.step]
+    if step is None and skipped:
+        # The latest readable step is not the latest listed one: say so, never quietly.
+        say(
+            f"{store.where(manifest_key(skipped[-1]))}: the manifest of step {skipped[-1]} "
+            f"is damaged ({catalog.damaged.get(skipped[-1], 'unreadable')}); step "
+            f"{target.step} is the latest that can be pulled"
+        )
 
     locals_: dict[str, Path] = {}
     local_fp: str | None = None
@@ -116,9 +124,15 @@ def pull(
     if out.exists() and not force and (plan is None or plan.local != out):
         known = catalog.find_fingerprint(local_fp) if local_fp else None
         if known is None:
+            damaged = sorted(catalog.damaged)
+            maybe = (
+                f" (or of a step whose manifest is damaged: {', '.join(map(str, damaged))})"
+                if damaged
+                else ""
+            )
             raise OutputError(
-                f"{out}: exists and is not a step of {store.url} (fingerprint {local_fp}); "
-                "pass -f to replace it",
+                f"{out}: exists and is not a step of {store.url}{maybe} (fingerprint "
+                f"{local_fp}); pass -f to replace it",
                 path=out,
             )
 
