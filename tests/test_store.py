@@ -539,3 +539,84 @@ def test_prune_always_keeps_the_latest_step(published: Path, tmp_path: Path) -> 
     plan = prune(store, keep_anchors=1, keep_steps=0)
     assert plan.kept_steps == tuple(range(20, STEPS))  # 29 and its chain back to anchor 20
     assert read_log(store)["steps"][-1]["step"] == STEPS - 1
+
+
+def test_two_publishers_of_one_step_one_wins(trainer_chain: list[Path], tmp_path: Path) -> None:
+    """The manifest is created, not renamed into place: a second publisher of the same step
+    (a restarted trainer racing its old process) is refused and the first step stands."""
+    from pulsectl.store.base import ObjectExistsError
+
+    store = tmp_path / "store"
+    publish(store, trainer_chain[0], options=PublishOptions(cache_dir=tmp_path / "a"))
+    first = publish(store, trainer_chain[1], options=PublishOptions(cache_dir=tmp_path / "a"))
+    before = (store / manifest_key(1)).read_bytes()
+    folder = FolderStore(store)
+    with pytest.raises(ObjectExistsError, match="already in the store"):
+        folder.create(manifest_key(1), b"{}")
+    # The loser's whole publish, as it would run had it read the catalog before the winner
+    # wrote: its manifest is refused, nothing of it is listed.
+    with pytest.raises(ObjectExistsError, match="step 1 was published by another publisher"):
+        _publish_racing(store, trainer_chain[5], tmp_path / "b")
+    assert (store / manifest_key(1)).read_bytes() == before
+    assert read_log(store)["steps"][-1]["target_fingerprint"] == first.manifest.target_fingerprint
+    assert not list(store.rglob(".*pulsectl-tmp*"))
+
+
+def _publish_racing(store: Path, checkpoint: Path, cache: Path) -> None:
+    """publish, with the catalog it reads taken before step 1 was published."""
+    from pulsectl.store.catalog import Catalog
+
+    pub = importlib.import_module(
+        "pulsectl.store.publish"
+    )  # the package's `publish` is the function
+
+    real = Catalog
+
+    class Stale(real):  # type: ignore[misc, valid-type]
+        def __init__(self, s: object) -> None:
+            super().__init__(s)  # type: ignore[arg-type]
+            self.steps = [x for x in self.steps if x < 1]
+            self._listed = set(self.steps)
+
+    pub.Catalog = Stale  # type: ignore[misc]
+    try:
+        publish(store, checkpoint, options=PublishOptions(cache_dir=cache))
+    finally:
+        pub.Catalog = real  # type: ignore[misc]
+
+
+def test_publish_refuses_a_file_as_store_and_checks_its_input_first(
+    trainer_chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["publish", str(afile), str(trainer_chain[0])]) == 1
+    line = f"pulsectl: error: {afile}: is a file, not a store folder"
+    assert capsys.readouterr().err == f"{line}; give a folder path\n"
+    assert main(["log", str(afile)]) == 1
+    assert capsys.readouterr().err == f"{line}\n"
+    assert afile.read_text() == "x"
+    fresh = tmp_path / "fresh"
+    assert main(["publish", str(fresh), str(tmp_path / "missing.safetensors")]) == 1
+    assert "missing.safetensors" in capsys.readouterr().err
+    assert not fresh.exists()  # a bad input makes no store folder
+
+
+def test_pull_of_a_single_file_store_into_a_folder_is_refused_first(
+    published: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    with pytest.raises(OutputError, match="is a folder, and step 30 of .* is a single file"):
+        pull(published, folder, force=True)
+    assert not any(folder.iterdir()) and not list(tmp_path.glob(".*pulsectl*"))
+
+
+def test_publish_as_is_one_spelling(tmp_path: Path) -> None:
+    generate_chain(tmp_path / "c", "tiny", steps=1, lr=3e-6, seed=9, save_fp32=True)
+    masters = sorted((tmp_path / "c").glob("step_*.f32.safetensors"))
+    store = tmp_path / "store"
+    publish(store, masters[0], options=PublishOptions(cast="BF16", cache_dir=tmp_path / "c1"))
+    assert manifest(store, 0)["cast"] == "bf16"
+    publish(store, masters[1], options=PublishOptions(cast="bf16", cache_dir=tmp_path / "c1"))
+    assert manifest(store, 1)["cast"] == "bf16"

@@ -201,3 +201,39 @@ def test_missing_boto3_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setitem(sys.modules, "boto3", None)
     assert main(["log", f"s3://{BUCKET}/x"]) == 2
+
+
+def test_a_manifest_is_created_once(s3: dict[str, str], chain: list[Path], tmp_path: Path) -> None:
+    """Two publishers of one step (a restarted trainer racing its old process): the
+    conditional put (If-None-Match: *) lets the first manifest stand and refuses the second."""
+    from pulsectl.store.base import ObjectExistsError
+
+    store = open_store(f"s3://{BUCKET}/once")
+    store.create("steps/00000001.json", b"first")
+    with pytest.raises(ObjectExistsError, match="once/steps/00000001.json: already in the store"):
+        store.create("steps/00000001.json", b"second")
+    assert store.read("steps/00000001.json") == b"first"
+
+
+def test_prune_reports_keys_s3_refused_to_delete(
+    s3: dict[str, str], chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeleteObjects answers 200 with the refused keys in Errors: prune must not say it
+    deleted them."""
+    from pulsectl.errors import OutputError
+
+    url = f"s3://{BUCKET}/refused"
+    for p in chain[:3]:
+        publish(url, p, options=PublishOptions(anchor_every=1, cache_dir=tmp_path / "c"))
+    store = open_store(url)
+
+    def refuse(**kw: object) -> dict[str, object]:
+        objects = kw["Delete"]["Objects"]  # type: ignore[index]
+        return {
+            "Errors": [{"Key": o["Key"], "Code": "AccessDenied", "Message": "no"} for o in objects]
+        }
+
+    monkeypatch.setattr(store.client, "delete_objects", refuse)
+    with pytest.raises(OutputError, match=r"S3 refused to delete it: AccessDenied: no \(and"):
+        prune(store, keep_anchors=1, keep_steps=1)
+    assert store.exists(manifest_key(0))

@@ -6,13 +6,17 @@ import abc
 from collections.abc import Iterable
 from pathlib import Path
 
-from pulsectl.errors import InputError, IntegrityError, UsageError
+from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError
 from pulsectl.hashing import fingerprint_file
 from pulsectl.store.layout import StoredFile
 
 
 class MissingObjectError(InputError):
     """An object the store should hold is not there (deleted, pruned, not yet copied)."""
+
+
+class ObjectExistsError(OutputError):
+    """``create`` found the key taken (another publisher got there first)."""
 
 
 class StepUnreachableError(IntegrityError):
@@ -39,6 +43,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def write(self, key: str, data: bytes) -> None:
         """Create ``key`` with ``data`` atomically."""
+
+    def create(self, key: str, data: bytes) -> None:
+        """Create ``key`` with ``data`` atomically, only if no object has that key
+        (ObjectExistsError otherwise): a step manifest is published once, by one publisher.
+        Stores that cannot test and create in one step check first (a narrow race)."""
+        if self.exists(key):
+            where = self.where(key)
+            raise ObjectExistsError(f"{where}: already in the store", path=where)
+        self.write(key, data)
 
     @abc.abstractmethod
     def upload(self, source: Path, key: str) -> None:

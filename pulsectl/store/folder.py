@@ -7,9 +7,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from pulsectl._atomic import atomic_file, os_error
+from pulsectl._atomic import atomic_file, os_error, remove, temp_path
 from pulsectl.errors import InputError
-from pulsectl.store.base import MissingObjectError, Store
+from pulsectl.store.base import MissingObjectError, ObjectExistsError, Store
 
 COPY_CHUNK = 16 * 1024 * 1024
 
@@ -31,7 +31,12 @@ class FolderStore(Store):
 
     def list(self, prefix: str) -> dict[str, int]:
         if not self.root.is_dir():
-            raise InputError(f"{self.root}: store folder does not exist", path=self.root)
+            what = (
+                "is a file, not a store folder"
+                if self.root.exists()
+                else "store folder does not exist"
+            )
+            raise InputError(f"{self.root}: {what}", path=self.root)
         top = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self._path(top) if top else self.root
         found: dict[str, int] = {}
@@ -73,6 +78,28 @@ class FolderStore(Store):
         path = self._make_parent(key)
         with atomic_file(path, force=True) as f:
             f.write(data)
+
+    def create(self, key: str, data: bytes) -> None:
+        """Written to a temp file, then hard-linked to its name, which fails if the name is
+        taken: a rename would replace it."""
+        path = self._make_parent(key)
+        tmp = temp_path(path)
+        try:
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(data)
+            except OSError as exc:
+                raise os_error(exc, path) from exc
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise ObjectExistsError(f"{path}: already in the store", path=path) from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise os_error(exc, path) from exc
+                super().create(key, data)  # a file system without hard links
+        finally:
+            remove(tmp)
 
     def upload(self, source: Path, key: str) -> None:
         path = self._make_parent(key)

@@ -8,6 +8,7 @@ lists manifests never sees a half-published step. Nothing is ever rewritten.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import InputError, UsageError
 from pulsectl.hashing import fingerprint_file
 from pulsectl.inventory import file_refs, fingerprint_of
-from pulsectl.store.base import Store, open_store
+from pulsectl.store.base import ObjectExistsError, Store, open_store
 from pulsectl.store.catalog import Catalog
 from pulsectl.store.layout import (
     MARKER_KEY,
@@ -102,10 +103,11 @@ def publish(
         from pulsectl.cast import target_dtype
 
         target_dtype(options.cast)
+        # One spelling in the manifests: `--as BF16` and `--as bf16` are the same cast.
+        options = dataclasses.replace(options, cast=options.cast.lower())
+    source = Checkpoint.open(checkpoint)  # before the store folder is made: a bad input
     if isinstance(store, _folder_type()):
-        Path(store.url).mkdir(parents=True, exist_ok=True)
-
-    source = Checkpoint.open(checkpoint)
+        _make_store_folder(Path(store.url))
     catalog = Catalog(store)
     last = catalog.latest()
     if catalog.steps and last is None:
@@ -133,7 +135,7 @@ def publish(
                 f"{checkpoint} is a {_word(source.layout)}, but {store.url} holds "
                 f"{_word(last.layout)}s"
             )
-        if last.cast != options.cast:
+        if (last.cast or "").lower() != (options.cast or ""):
             want = f"--as {last.cast}" if last.cast else "no --as"
             raise UsageError(
                 f"{store.url} holds {last.cast or 'uncast'} checkpoints; publish with {want}"
@@ -265,7 +267,15 @@ def _publish_step(
         store.upload(patch_file, patch.key)
         uploaded += patch.size
     data = manifest.to_bytes()
-    store.write(manifest_key(step), data)  # last: the step exists from here on
+    try:
+        store.create(manifest_key(step), data)  # last: the step exists from here on
+    except ObjectExistsError:
+        raise ObjectExistsError(
+            f"{store.where(manifest_key(step))}: step {step} was published by another "
+            "publisher meanwhile (one publisher per store); this step is not published: its "
+            "objects are left for prune",
+            path=store.where(manifest_key(step)),
+        ) from None
     say(
         f"published step {step} to {store.url}: "
         + (
@@ -282,6 +292,15 @@ def _publish_step(
         )
     )
     return manifest, anchor_reason or "patch", uploaded + len(data)
+
+
+def _make_store_folder(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise InputError(f"{root}: is a file, not a store folder; give a folder path", path=root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error(exc, root) from exc
 
 
 def _load_head(cache: Path, store: Store) -> tuple[int, str, Path] | None:

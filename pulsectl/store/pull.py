@@ -93,6 +93,12 @@ def pull(
         raise InputError(f"prefetch {prefetch}: give 1 or more")
     catalog = Catalog(store)
     target = _target(catalog, store, step)
+    if target.layout == "file" and out.is_dir():
+        raise OutputError(
+            f"{out}: is a folder, and step {target.step} of {store.url} is a single file; give "
+            "the file's path (-o FOLDER/model.safetensors)",
+            path=out,
+        )
     skipped = [s for s in catalog.steps if s > target.step]
     if step is None and skipped:
         # The latest readable step is not the latest listed one: say so, never quietly.

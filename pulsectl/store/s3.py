@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pulsectl._atomic import remove
-from pulsectl.errors import InputError, UsageError
-from pulsectl.store.base import MissingObjectError, Store
+from pulsectl.errors import InputError, OutputError, UsageError
+from pulsectl.store.base import MissingObjectError, ObjectExistsError, Store
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 MULTIPART_CHUNK = 64 * 1024 * 1024
@@ -122,6 +122,29 @@ class S3Store(Store):
         with self._errors(key):
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
+    def create(self, key: str, data: bytes) -> None:
+        """A conditional put (If-None-Match: *): S3 refuses it when the key exists. A server
+        that does not implement the condition gets the check-then-put of ``Store.create``."""
+        from botocore import exceptions as bx
+
+        try:
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+            )
+        except bx.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise ObjectExistsError(
+                    f"{self.where(key)}: already in the store", path=self.where(key)
+                ) from None
+            if code not in ("NotImplemented", "501"):
+                with self._errors(key):
+                    raise
+            super().create(key, data)
+        except bx.BotoCoreError:
+            with self._errors(key):
+                raise
+
     def upload(self, source: Path, key: str) -> None:
         with self._errors(key):
             self.client.upload_file(str(source), self.bucket, self._key(key), Config=self.transfer)
@@ -131,9 +154,21 @@ class S3Store(Store):
         for i in range(0, len(batch), DELETE_BATCH):
             chunk = batch[i : i + DELETE_BATCH]
             with self._errors(chunk[0][len(self.prefix) :]):
-                self.client.delete_objects(
+                reply = self.client.delete_objects(
                     Bucket=self.bucket,
                     Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True},
+                )
+            # A batch delete answers 200 even when it deletes nothing: each refused key is
+            # listed in Errors (AccessDenied, say). A missing key is not an error in S3.
+            refused = reply.get("Errors") or []
+            if refused:
+                first = refused[0]
+                key = str(first.get("Key", ""))[len(self.prefix) :]
+                more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+                raise OutputError(
+                    f"{self.where(key)}: S3 refused to delete it: {first.get('Code', '?')}: "
+                    f"{first.get('Message', '')}{more}",
+                    path=self.where(key),
                 )
 
     def exists(self, key: str) -> bool:
