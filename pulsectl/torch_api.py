@@ -78,8 +78,9 @@ Level = int | Literal["max"]
 
 
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor on its device (a view when contiguous)."""
-    flat = t.detach().reshape(-1)
+    """The tensor's logical bytes, row-major, as a flat uint8 tensor on its device (a view when
+    contiguous, else a contiguous copy): the bytes safetensors saves for it."""
+    flat = t.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         return flat.view(torch.uint8)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
@@ -328,10 +329,13 @@ def apply_patch(
     """Apply a single-file patch to ``state`` in place; returns the target fingerprint.
 
     Nothing is modified unless every base tensor the patch reads has the fingerprint the patch
-    expects and every decoded tensor has the fingerprint the patch promises: the changes are
-    decoded and verified on the host first, then written into the tensors (on their device)
-    with an indexed copy. Tensors the target does not have are removed from ``state``; new or
-    reshaped ones are added on the device of the tensor they replace (or of the first tensor).
+    expects, every decoded tensor has the fingerprint the patch promises and every write can be
+    made: the changes are decoded and verified on the host first, then written into the tensors
+    (on their device) with an indexed copy. A tensor is patched by its logical row-major bytes
+    (what safetensors saves), so a non-contiguous one (channels_last, a transposed view) is
+    patched through its strides, keeping its layout; one whose elements share memory (an
+    expanded view) is refused. Tensors the target does not have are removed from ``state``; new
+    or reshaped ones are added on the device of the tensor they replace (or of the first one).
 
     >>> apply_patch(model.state_dict(), patch_bytes)  # doctest: +SKIP
     """
@@ -431,7 +435,17 @@ def apply_patch(
             )
     reader.read_trailer()  # the whole-file checksum
 
-    # 3. Write.
+    # 3. Everything that could refuse is checked before the first write: where each changed
+    # word lies in memory (a non-contiguous tensor is patched through its strides).
+    writes: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
+    for update in updates:
+        if update.positions is not None and update.positions.size:
+            info = targets[update.name]
+            writes[update.name] = _locate_words(
+                name, update.name, state[update.name], info.word, update.positions
+            )
+
+    # 4. Write.
     default_device = next(iter(state.values())).device if state else torch.device("cpu")
     for update in updates:
         info = targets[update.name]
@@ -445,16 +459,68 @@ def apply_patch(
                 else torch.empty(info.shape, dtype=dtype)
             )
             state[update.name] = new_t.to(device)
-        elif update.positions.size:
-            t = state[update.name]
-            if not t.is_contiguous():
-                raise UsageError(f"tensor {update.name!r} is not contiguous; cannot patch in place")
-            flat = t.detach().view(-1).view(torch.uint8).view(_WORD_DTYPE[info.word])
-            index = torch.from_numpy(update.positions).to(t.device)
-            flat[index] = torch.from_numpy(update.words).to(t.device)
+        elif update.name in writes:
+            memory, index = writes[update.name]
+            memory[torch.from_numpy(index).to(memory.device)] = torch.from_numpy(update.words).to(
+                memory.device
+            )
     for key in [k for k in state if k not in targets]:
         del state[key]
     return trailer.target_fingerprint
+
+
+def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
+    """``t`` as integer words of ``word`` bytes over the same memory, in the order of its logical
+    bytes (a complex tensor as its real and imaginary parts)."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.element_size() != word:
+        raise UsageError(f"a {t.dtype} tensor has no {word}-byte words")
+    return t.view(_WORD_DTYPE[word])
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from a non-empty strided tensor's first element to its last one, inclusive."""
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+
+
+def _may_self_overlap(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """False when no two elements of the strided tensor can share memory (a sufficient test:
+    True for an expanded view, and for exotic interleavings it cannot prove apart)."""
+    reach = 0  # the farthest element the dimensions of smaller stride reach
+    for step, size in sorted((st, sz) for sz, st in zip(shape, stride, strict=True) if sz > 1):
+        if step <= reach:
+            return True
+        reach += (size - 1) * step
+    return False
+
+
+def _locate_words(
+    patch_name: str, name: str, t: torch.Tensor, word: int, positions: np.ndarray
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Where the words at logical ``positions`` of tensor ``t`` lie in its memory: a flat word
+    view over the memory it spans and the index of each word in it. Refuses, before anything is
+    written, a tensor whose elements share memory (an expanded view): no in-place write can
+    give its elements different values."""
+    words = _word_view(t, word)
+    shape, stride = tuple(words.shape), tuple(words.stride())
+    if _may_self_overlap(shape, stride):
+        raise UsageError(
+            f"{patch_name}: tensor {name!r} is a view whose elements share memory (stride "
+            f"{list(t.stride())} for shape {list(t.shape)}, e.g. expanded); cannot patch it in "
+            "place: give apply_patch a contiguous copy (.contiguous()); nothing was changed",
+            tensor=name,
+        )
+    memory = words.as_strided((_span(shape, stride),), (1,))
+    if words.is_contiguous():
+        return memory, positions
+    index = np.zeros_like(positions)
+    rest = positions.copy()
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        index += (rest % size) * step
+        rest //= size
+    return memory, index
 
 
 def _decode(

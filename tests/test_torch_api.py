@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pulsectl.diff import DiffOptions, diff_checkpoints
-from pulsectl.errors import CorruptPatchError, IntegrityError
+from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
 from pulsectl.hashing import fingerprint_file
 from pulsectl.torch_api import (
     Publisher,
@@ -223,3 +223,73 @@ def test_apply_patch_moves_every_word_width() -> None:
     apply_patch(state, make_patch(old, new))
     for k in new:
         assert torch.equal(state[k].view(torch.uint8), new[k].view(torch.uint8)), k
+
+
+def _nudge_all(state: dict[str, torch.Tensor], step: float = 0.01) -> dict[str, torch.Tensor]:
+    return {
+        k: (v + step).to(v.dtype) if v.is_floating_point() else v.clone() for k, v in state.items()
+    }
+
+
+def test_apply_patch_patches_non_contiguous_tensors_through_their_strides():
+    """A channels_last Conv2d weight or a transposed view is patched where it lies: the patch is
+    about the logical row-major bytes (what safetensors saves), and every tensor ends exact with
+    its layout and storage kept. This used to write the contiguous tensors, then refuse the
+    non-contiguous one: a half-updated model."""
+    torch.manual_seed(0)
+    net = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Conv2d(3, 4, 3))  # noqa: E731
+    trainer = net()
+    worker = net()
+    worker.load_state_dict(trainer.state_dict())
+    worker = worker.to(memory_format=torch.channels_last)
+    assert not worker[1].weight.is_contiguous()
+    publisher = Publisher()
+    publisher.anchor(trainer.state_dict())
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01)
+    patch = publisher.publish(trainer.state_dict())
+    ptr = worker[1].weight.data_ptr()
+    assert apply_patch(worker.state_dict(), patch) == publisher.fingerprint
+    assert state_dict_fingerprint(worker.state_dict()) == publisher.fingerprint
+    assert worker[1].weight.data_ptr() == ptr
+    assert worker[1].weight.is_contiguous(memory_format=torch.channels_last)
+    for k, v in trainer.state_dict().items():
+        assert torch.equal(worker.state_dict()[k], v), k
+
+    # Views of every kind: transposed, strided 1-D (whose fingerprint used to fail), a sliced
+    # complex tensor, a permuted bf16 tensor with NaN payloads and -0.0.
+    g = torch.Generator().manual_seed(1)
+    old = {
+        "a": torch.randn(6, 5, generator=g),
+        "b": torch.randn(5, 7, generator=g).t(),
+        "c": torch.randn(20, generator=g)[::3],
+        "d": torch.randn(4, 6, dtype=torch.complex64, generator=g)[:, 1::2],
+        "e": torch.randn(3, 4, 5, generator=g).to(torch.bfloat16).permute(2, 0, 1),
+    }
+    new = {k: v.contiguous() for k, v in _nudge_all(old).items()}
+    new["e"].view(torch.int16)[0, 0, 0] = 0x7FC1
+    new["e"][1, 1, 1] = -0.0
+    assert state_dict_fingerprint(old) == state_dict_fingerprint(
+        {k: v.contiguous() for k, v in old.items()}
+    )
+    patch = make_patch(old, new)
+    state = dict(old)
+    ptrs = {k: v.data_ptr() for k, v in state.items()}
+    assert apply_patch(state, patch) == state_dict_fingerprint(new)
+    assert _same(state, new)
+    assert {k: v.data_ptr() for k, v in state.items()} == ptrs
+    assert state["b"].stride() == (1, 7)
+
+
+def test_apply_patch_refuses_an_expanded_tensor_before_writing():
+    """A view whose elements share memory cannot take a patch changing one of them: refused
+    before any tensor is written, naming it."""
+    old = {"a": torch.zeros(8), "b": torch.zeros(4).expand(3, 4)}
+    new = {"a": torch.ones(8), "b": torch.zeros(3, 4)}
+    new["b"][1, 2] = 1.0
+    patch = make_patch(old, new)
+    state = dict(old)
+    with pytest.raises(UsageError, match="'b'.*share memory"):
+        apply_patch(state, patch)
+    assert torch.equal(state["a"], torch.zeros(8)) and torch.equal(state["b"], old["b"])
