@@ -39,7 +39,7 @@ from pulsectl.diff import DiffOptions, DiffSummary, diff_checkpoints
 from pulsectl.errors import IntegrityError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
 from pulsectl.hashing import new_hasher
-from pulsectl.patch import header_from_json, trailer_from_json
+from pulsectl.patch import Item, header_from_json, trailer_from_json
 
 __all__ = [
     "Publisher",
@@ -324,7 +324,11 @@ class _Update:
 
 
 def apply_patch(
-    state: MutableMapping[str, torch.Tensor], patch: PatchData, *, workers: int | None = None
+    state: MutableMapping[str, torch.Tensor],
+    patch: PatchData,
+    *,
+    workers: int | None = None,
+    replace: bool | None = None,
 ) -> str:
     """Apply a single-file patch to ``state`` in place; returns the target fingerprint.
 
@@ -334,8 +338,16 @@ def apply_patch(
     (on their device) with an indexed copy. A tensor is patched by its logical row-major bytes
     (what safetensors saves), so a non-contiguous one (channels_last, a transposed view) is
     patched through its strides, keeping its layout; one whose elements share memory (an
-    expanded view) is refused. Tensors the target does not have are removed from ``state``; new
-    or reshaped ones are added on the device of the tensor they replace (or of the first one).
+    expanded view) is refused.
+
+    A patch that adds a tensor, removes one or changes one's dtype or shape cannot be applied in
+    place: it changes the mapping (tensors the target does not have are removed from ``state``;
+    new or replaced ones are put in it, on the device of the tensor they replace, or of the
+    first one). ``replace=None`` (the default) does that for a mapping of its own, such as
+    ``load_file``'s dict, and refuses, before any write, a module's state dict (one made by
+    ``model.state_dict()``, or holding ``nn.Parameter`` entries): the module would silently keep
+    its old tensors. ``replace=True`` changes the mapping anyway (a module's parameters are then
+    not touched); ``replace=False`` refuses such a patch for any mapping.
 
     >>> apply_patch(model.state_dict(), patch_bytes)  # doctest: +SKIP
     """
@@ -356,6 +368,13 @@ def apply_patch(
     for item in header.items:
         if item.base_name is None:
             continue
+        if item.base_name != item.name:
+            raise UsageError(
+                f"{name}: tensor {item.name!r} is patched from base tensor {item.base_name!r}; a "
+                "state dict is patched tensor by tensor in place: apply this patch to the saved "
+                "files (apply_patches)",
+                tensor=item.name,
+            )
         t = state.get(item.base_name)
         want = targets[item.name] if item.name is not None else None
         if t is None:
@@ -381,6 +400,8 @@ def apply_patch(
                 expected=item.base_fingerprint,
                 actual=got,
             )
+
+    _check_entries(state, header.items, targets, name, replace)
 
     # 2. Decode and verify everything on the host; nothing is touched yet.
     bb = header.block_bytes
@@ -467,6 +488,55 @@ def apply_patch(
     for key in [k for k in state if k not in targets]:
         del state[key]
     return trailer.target_fingerprint
+
+
+def _check_entries(
+    state: Mapping[str, torch.Tensor],
+    items: tuple[Item, ...],
+    targets: Mapping[str, TensorInfo],
+    patch_name: str,
+    replace: bool | None,
+) -> None:
+    """Refuse, before anything is written, a patch that must add, remove or replace entries of
+    ``state`` when ``replace`` says no (see apply_patch)."""
+    replaced = [item.name for item in items if item.base_name is None and item.name is not None]
+    removed = [key for key in state if key not in targets]
+    if not (replaced or removed) or replace is True:
+        return
+    module = getattr(state, "_metadata", None) is not None or any(
+        isinstance(state.get(key), torch.nn.Parameter) for key in (*replaced, *removed)
+    )
+    if replace is None and not module:
+        return
+    if replaced:
+        key = replaced[0]
+        info = targets[key]
+        old = state.get(key)
+        what = (
+            f"adds tensor {key!r}"
+            if old is None
+            else f"replaces tensor {key!r} ({TORCH_TO_SAFETENSORS.get(old.dtype, old.dtype)} "
+            f"{list(old.shape)} -> {info.dtype} {list(info.shape)})"
+        )
+    else:
+        key = removed[0]
+        what = f"removes tensor {key!r}"
+    more = len(replaced) + len(removed) - 1
+    what += f" (and changes {more} more entries)" if more else ""
+    if module:
+        why = (
+            "this mapping is an nn.Module's (model.state_dict() or its Parameters), and the "
+            "module would keep its old tensors: "
+            "rebuild the module from the patched checkpoint (apply_patches on the saved files), "
+            "or pass replace=True to change only this mapping"
+        )
+    else:
+        why = "replace=False allows only in-place changes"
+    raise UsageError(
+        f"{patch_name}: the patch {what}, which cannot be done in place; {why}; nothing was "
+        "changed",
+        tensor=key,
+    )
 
 
 def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:

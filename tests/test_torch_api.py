@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -293,3 +294,80 @@ def test_apply_patch_refuses_an_expanded_tensor_before_writing():
     with pytest.raises(UsageError, match="'b'.*share memory"):
         apply_patch(state, patch)
     assert torch.equal(state["a"], torch.zeros(8)) and torch.equal(state["b"], old["b"])
+
+
+def _linear_pair() -> tuple[torch.nn.Linear, torch.nn.Linear, Publisher]:
+    torch.manual_seed(0)
+    trainer, worker = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    worker.load_state_dict(trainer.state_dict())
+    publisher = Publisher()
+    publisher.anchor(trainer.state_dict())
+    return trainer, worker, publisher
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "add", "remove"])
+def test_apply_patch_refuses_to_replace_a_modules_tensors(change: str):
+    """A patch that replaces, adds or removes an entry cannot reach the module through
+    model.state_dict() (only that temporary dict would change): it used to return the target
+    fingerprint while worker.bias kept its dtype and values. Refused before any write."""
+    trainer, worker, publisher = _linear_pair()
+    new = {k: v.clone() for k, v in trainer.state_dict().items()}
+    new["weight"] += 1  # an in-place change that must not be written either
+    if change == "dtype":
+        new["bias"] = new["bias"].double() + 1
+    elif change == "shape":
+        new["bias"] = new["bias"].reshape(2, 2)
+    elif change == "add":
+        new["extra"] = torch.ones(3)
+    else:
+        del new["bias"]
+    patch = publisher.publish(new)
+    before = {k: v.clone() for k, v in worker.state_dict().items()}
+    with pytest.raises(UsageError, match="nn.Module.*replace=True") as err:
+        apply_patch(worker.state_dict(), patch)
+    assert err.value.tensor == ("extra" if change == "add" else "bias")
+    assert _same(dict(worker.state_dict()), before)
+    # keep_vars=True, or a dict of the module's Parameters: refused the same way.
+    if change != "add":
+        with pytest.raises(UsageError, match="nn.Module"):
+            apply_patch(dict(worker.named_parameters()), patch)
+        assert _same(dict(worker.state_dict()), before)
+
+    # replace=True changes the mapping, and only the mapping: the docs say so.
+    mapping = worker.state_dict()
+    assert apply_patch(mapping, patch, replace=True) == publisher.fingerprint
+    assert state_dict_fingerprint(mapping) == publisher.fingerprint
+    assert torch.equal(worker.weight, new["weight"])  # in place: the module sees it
+    assert worker.bias.dtype == torch.float32 and worker.bias.shape == (4,)
+
+
+def test_apply_patch_replace_false_refuses_entry_changes_of_a_plain_dict():
+    old = _state()
+    new = {k: v.clone() for k, v in old.items()}
+    new["model.step"] = new["model.step"].to(torch.int32)
+    patch = make_patch(old, new)
+    state = {k: v.clone() for k, v in old.items()}
+    with pytest.raises(UsageError, match="'model.step'.*replace=False"):
+        apply_patch(state, patch, replace=False)
+    assert _same(state, old)
+    assert apply_patch(state, patch) == state_dict_fingerprint(new)  # a plain dict: replaced
+    assert _same(state, new)
+
+
+def test_apply_patch_refuses_an_item_patched_from_another_tensor():
+    """The format lets an item name a base tensor of another name (pulsectl diff never does);
+    the live API patches each tensor in place, so it used to write the changes made against
+    'b' into 'a' without checking 'a', and report the target. Refused before any write."""
+    from _faultkit import build_patch, json_text, parse_patch
+
+    x = torch.arange(16, dtype=torch.float32)
+    old, new = {"a": x.clone(), "b": x.clone()}, {"a": x + 1, "b": x.clone()}
+    parsed = parse_patch(make_patch(old, new))
+    header = json.loads(json.dumps(parsed.header))
+    item = next(i for i in header["items"] if i["name"] == "a")
+    item["base"]["name"] = "b"
+    patch = build_patch(json_text(header), parsed.frames, parsed.trailer)
+    state = {"a": torch.zeros(16), "b": x.clone()}
+    with pytest.raises(UsageError, match="'a' is patched from base tensor 'b'"):
+        apply_patch(state, patch)
+    assert torch.equal(state["a"], torch.zeros(16)) and torch.equal(state["b"], x)
