@@ -22,7 +22,7 @@ Worker::
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -338,7 +338,9 @@ def apply_patch(
     (on their device) with an indexed copy. A tensor is patched by its logical row-major bytes
     (what safetensors saves), so a non-contiguous one (channels_last, a transposed view) is
     patched through its strides, keeping its layout; one whose elements share memory (an
-    expanded view) is refused.
+    expanded view) is refused. So is a write into memory another entry also spans (tied
+    weights, overlapping views), unless the two are the same view and the patch gives both
+    the same target fingerprint (a tied embedding and output weight changed together).
 
     A patch that adds a tensor, removes one or changes one's dtype or shape cannot be applied in
     place: it changes the mapping (tensors the target does not have are removed from ``state``;
@@ -457,7 +459,8 @@ def apply_patch(
     reader.read_trailer()  # the whole-file checksum
 
     # 3. Everything that could refuse is checked before the first write: where each changed
-    # word lies in memory (a non-contiguous tensor is patched through its strides).
+    # word lies in memory (a non-contiguous tensor is patched through its strides), and that
+    # no write changes another entry that shares its memory.
     writes: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
     for update in updates:
         if update.positions is not None and update.positions.size:
@@ -465,6 +468,13 @@ def apply_patch(
             writes[update.name] = _locate_words(
                 name, update.name, state[update.name], info.word, update.positions
             )
+    replaced = {update.name for update in updates if update.positions is None}
+    kept = [key for key in state if key in targets and key not in replaced]
+    promised_fps = {
+        item.name: promised.fingerprint
+        for item, promised in zip(header.items, trailer.items, strict=True)
+    }
+    _check_aliases(name, state, kept, writes.keys(), promised_fps)
 
     # 4. Write.
     default_device = next(iter(state.values())).device if state else torch.device("cpu")
@@ -537,6 +547,56 @@ def _check_entries(
         "changed",
         tensor=key,
     )
+
+
+def _check_aliases(
+    patch_name: str,
+    state: Mapping[str, torch.Tensor],
+    kept: list[str],
+    written: Collection[str],
+    promised: Mapping[str | None, str],
+) -> None:
+    """Refuse, before anything is written, a write into memory that another kept entry of
+    ``state`` also uses (tied weights, overlapping views): it would change that entry too. Tied
+    entries (the same view of the same memory) are fine when the patch writes both and gives
+    them the same target fingerprint. Overlap is judged by the byte ranges the tensors span."""
+    spans = []
+    for key in kept:
+        t = state[key]
+        if t.numel():
+            start = t.data_ptr()
+            end = start + _span(tuple(t.shape), tuple(t.stride())) * t.element_size()
+            spans.append((str(t.device), start, end, key))
+    spans.sort()
+    for i, (device, start, end, key) in enumerate(spans):
+        for device2, start2, _, key2 in spans[i + 1 :]:
+            if device2 != device or start2 >= end:
+                break
+            if key not in written and key2 not in written:
+                continue
+            a, b = state[key], state[key2]
+            same_view = (start, a.dtype, a.shape, a.stride()) == (
+                start2,
+                b.dtype,
+                b.shape,
+                b.stride(),
+            )
+            both = key in written and key2 in written
+            if same_view and both and promised[key] == promised[key2]:
+                continue  # tied, and both get the same bytes
+            changed, other = (key, key2) if key in written else (key2, key)
+            if not same_view:
+                why = f"overlap in memory, and writing {changed!r} would change {other!r}"
+            elif both:
+                why = "are tied (the same memory), and the patch gives them different values"
+            else:
+                why = f"are tied (the same memory), and the patch changes {changed!r} only"
+            raise UsageError(
+                f"{patch_name}: tensors {key!r} and {key2!r} {why}; apply the patch to a state "
+                "dict whose tensors do not share memory (e.g. clone one of them); nothing was "
+                "changed",
+                tensor=changed,
+            )
 
 
 def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:

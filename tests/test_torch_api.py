@@ -371,3 +371,62 @@ def test_apply_patch_refuses_an_item_patched_from_another_tensor():
     with pytest.raises(UsageError, match="'a' is patched from base tensor 'b'"):
         apply_patch(state, patch)
     assert torch.equal(state["a"], torch.zeros(16)) and torch.equal(state["b"], x)
+
+
+def test_apply_patch_refuses_a_write_through_tied_or_overlapping_tensors():
+    """Entries sharing memory: a write into one changes the other. It used to write through the
+    alias (embed.weight changed with lm_head.weight) and return a target fingerprint the live
+    state did not have. Refused before any write, naming both tensors."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(5, 3, generator=g)
+    base = {"bias": torch.zeros(4), "embed.weight": t.clone(), "lm_head.weight": t.clone()}
+    only_head = {**base, "bias": torch.ones(4), "lm_head.weight": t + 1}
+    different = {**only_head, "embed.weight": t + 2}
+    for target, what in ((only_head, "changes 'lm_head.weight' only"), (different, "different")):
+        live = {"bias": torch.zeros(4), "embed.weight": t, "lm_head.weight": t}
+        before = {k: v.clone() for k, v in live.items()}
+        with pytest.raises(UsageError, match=f"'embed.weight' and 'lm_head.weight' .*{what}"):
+            apply_patch(live, make_patch(base, target))
+        assert _same(live, before)
+
+    # Partly overlapping views of one buffer: refused (by the byte ranges they span).
+    x = torch.arange(10, dtype=torch.float32)
+    old = {"a": x[0:6].clone(), "b": x[4:10].clone()}
+    new = {"a": old["a"].clone(), "b": old["b"]}
+    new["a"][0] = -1.0
+    live = {"a": x[0:6], "b": x[4:10]}
+    with pytest.raises(UsageError, match="'a' and 'b' overlap in memory"):
+        apply_patch(live, make_patch(old, new))
+    assert torch.equal(x, torch.arange(10, dtype=torch.float32))
+
+
+def test_apply_patch_writes_tied_tensors_that_change_together():
+    """Tied entries (a module's tied embedding and output weight) that the patch changes in the
+    same way are patched; so are disjoint views of one buffer."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    torch.manual_seed(3)
+    trainer, worker = Tied(), Tied()
+    worker.load_state_dict(trainer.state_dict())
+    publisher = Publisher()
+    publisher.anchor(trainer.state_dict())
+    with torch.no_grad():
+        trainer.embed.weight.add_(0.5)
+    patch = publisher.publish(trainer.state_dict())
+    assert apply_patch(worker.state_dict(), patch) == publisher.fingerprint
+    assert state_dict_fingerprint(worker.state_dict()) == publisher.fingerprint
+    assert worker.head.weight is worker.embed.weight
+    assert torch.equal(worker.embed.weight, trainer.embed.weight)
+
+    x = torch.arange(10, dtype=torch.float32)
+    old = {"a": x[:5].clone(), "b": x[5:].clone()}
+    new = {"a": old["a"] + 1, "b": old["b"] - 1}
+    live = {"a": x[:5], "b": x[5:]}
+    assert apply_patch(live, make_patch(old, new)) == state_dict_fingerprint(new)
+    assert _same(live, new)
