@@ -22,6 +22,7 @@ Worker::
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,11 @@ class StateDictSource:
         self._starts = [t.start for t in header.tensors]
         self._infos = list(header.tensors)
         self._by_name = {t.name: t for t in header.tensors}
+        # The row-major bytes of the last non-contiguous tensor read: its blocks are read one
+        # after another, and copying the whole tensor for each block would cost its size
+        # squared over the block size.
+        self._copied: tuple[str, torch.Tensor] | None = None
+        self._copy_lock = threading.Lock()
 
     def read(self, file_index: int, offset: int, nbytes: int) -> np.ndarray:
         return _to_numpy(self.read_device(file_index, offset, nbytes))
@@ -122,7 +128,13 @@ class StateDictSource:
         """The same bytes as ``read``, as a uint8 tensor on the tensor's own device."""
         info = self._locate(offset, nbytes)
         lo = offset - info.start
-        return _tensor_bytes(self._tensors[info.name])[lo : lo + nbytes]
+        t = self._tensors[info.name]
+        if t.is_contiguous():
+            return _tensor_bytes(t)[lo : lo + nbytes]
+        with self._copy_lock:
+            if self._copied is None or self._copied[0] != info.name:
+                self._copied = (info.name, _tensor_bytes(t))
+            return self._copied[1][lo : lo + nbytes]
 
     def _locate(self, offset: int, nbytes: int) -> TensorInfo:
         import bisect
