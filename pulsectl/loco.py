@@ -497,6 +497,14 @@ def encode_files(
     """
     out, residual_path = Path(out), Path(residual_path)
     visible_words(np.zeros(0, np.float32), visible)  # reject a bad --visible before any work
+    _check_distinct(
+        [
+            ("--global", Path(global_path), False),
+            ("--local", Path(local_path), False),
+            ("--residual", residual_path, True),
+            ("-o", out, True),
+        ]
+    )
     check_target(out, force)
     check_target(residual_path, True, "residual")
     global_, _ = load_tensors(global_path)
@@ -519,6 +527,9 @@ def reduce_files(
 ) -> ReduceSummary:
     """Average the trainers' loco patches into a loco patch, or (``dense``) a safetensors file."""
     out = Path(out)
+    _check_distinct(
+        [(f"patch {k + 1}", Path(p), False) for k, p in enumerate(patches)] + [("-o", out, True)]
+    )
     check_target(out, force)
     updates = [read_update(p) for p in patches]
     avg = reduce(updates)
@@ -551,16 +562,20 @@ def step_files(
         raise UsageError("--plain averages without momentum; do not give --momentum")
     if not plain and momentum_path is None:
         raise UsageError("give --momentum FILE (created if missing), or --plain")
+    momentum_path = None if momentum_path is None else Path(momentum_path)
+    roles = [("--global", Path(global_path), False), ("--update", Path(update_path), False)]
+    if momentum_path is not None:
+        roles.append(("--momentum", momentum_path, True))
+    _check_distinct([*roles, ("-o", out, True)])
     check_target(out, force)
+    if momentum_path is not None:
+        check_target(momentum_path, True, "momentum")
     global_, metadata = load_tensors(global_path)
     update: Tensors | SparseUpdate
     update = read_update(update_path) if is_patch(update_path) else load_tensors(update_path)[0]
     momentum = None
-    if momentum_path is not None:
-        momentum_path = Path(momentum_path)
-        check_target(momentum_path, True, "momentum")
-        if momentum_path.exists():
-            momentum = load_tensors(momentum_path)[0]
+    if momentum_path is not None and momentum_path.exists():
+        momentum = load_tensors(momentum_path)[0]
     new_global, new_momentum = outer_step(global_, update, momentum, lr=lr, beta=beta, plain=plain)
     writes = [(out, _saver(new_global, metadata))]
     if new_momentum is not None and momentum_path is not None:
@@ -570,6 +585,39 @@ def step_files(
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same path once resolved (symlinks followed, also
+    for a file that does not exist yet), or, for existing files, one file (a hard link)."""
+    with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a symlink loop
+        if a.resolve() == b.resolve():
+            return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def _check_distinct(roles: Sequence[tuple[str, Path, bool]]) -> None:
+    """Refuse, before anything is read or written, a file written in one role that is the file
+    of another role: ``roles`` are (option, path, written).
+
+    The residual and the momentum are read and rewritten (state carried from round to round),
+    so each is one role, written, and its own input; any other pair in which one is written is
+    an error: the output would replace an input (``--residual G``), or one output the other
+    (``-o R --residual R`` loses the patch)."""
+    for i, (name_a, a, written_a) in enumerate(roles):
+        for name_b, b, written_b in roles[i + 1 :]:
+            if not (written_a or written_b) or not _same_file(a, b):
+                continue
+            (wname, wpath), (oname, opath) = (
+                ((name_b, b), (name_a, a)) if written_b else ((name_a, a), (name_b, b))
+            )
+            raise UsageError(
+                f"{wname} {wpath} is the same file as {oname} {opath}: writing {wname} would "
+                f"replace it; give {wname} a file of its own"
+            )
 
 
 def _f32(x: np.ndarray, name: str) -> np.ndarray:

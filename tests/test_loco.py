@@ -453,3 +453,138 @@ def test_an_invalid_loco_field_is_a_corrupt_patch(edit: Any) -> None:
     edit(parsed.header["loco"])
     with pytest.raises(CorruptPatchError, match="the 'loco' header field is not valid"):
         loco.loads(build_patch(parsed.header, parsed.frames, parsed.trailer))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: outputs that are inputs, options out of range
+
+
+@pytest.fixture
+def round_files(tmp_path: Path) -> dict[str, Path]:
+    """One round's files: G, a trainer's L, its residual R and momentum M (both existing, as
+    from an earlier round), its patch PG and the average AVG."""
+    g = _model(60)
+    files = {
+        "G": _save(tmp_path / "G.safetensors", g),
+        "L": _save(tmp_path / "L.safetensors", _step(g, 61, 1e-3)),
+        "L1": _save(tmp_path / "L1.safetensors", _step(g, 62, 1e-3)),
+    }
+    files["R"] = tmp_path / "R.safetensors"
+    files["PG"] = tmp_path / "PG.pulse"
+    common = ["-q", "loco", "encode", "-g", str(files["G"])]
+    r0, pg0 = str(files["R"]), str(files["PG"])
+    assert main([*common, "-l", str(files["L"]), "-r", r0, "-o", pg0]) == 0
+    files["PG1"] = tmp_path / "PG1.pulse"
+    r1 = str(tmp_path / "R1.safetensors")
+    assert main([*common, "-l", str(files["L1"]), "-r", r1, "-o", str(files["PG1"])]) == 0
+    files["AVG"] = tmp_path / "AVG.pulse"
+    pgs = [str(files["PG"]), str(files["PG1"])]
+    assert main(["-q", "loco", "reduce", *pgs, "-o", str(files["AVG"])]) == 0
+    files["M"] = tmp_path / "M.safetensors"
+    step = ["-q", "loco", "step", "-g", str(files["G"]), "-u", str(files["AVG"])]
+    assert main([*step, "-m", str(files["M"]), "-o", str(tmp_path / "G2.safetensors")]) == 0
+    (tmp_path / "G2.safetensors").unlink()
+    return files
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _link(kind: str, target: Path, name: str) -> Path:
+    """``target`` under another name: the same path spelled otherwise, a symlink or a hard link."""
+    if kind == "path":
+        return target.parent / "." / target.name
+    path = target.parent / name
+    if kind == "symlink":
+        path.symlink_to(target)
+    else:
+        path.hardlink_to(target)
+    return path
+
+
+# (command line with {ROLE} for the files, the role written twice, "new" for a path that does
+# not exist yet, the two option names the error must give)
+COLLISIONS = [
+    # encode: the residual is read and rewritten, so it must not be G, L or -o
+    ("encode -g {G} -l {L} -r {G} -o {new}", "--residual", "--global"),
+    ("encode -g {G} -l {L} -r {L} -o {new}", "--residual", "--local"),
+    ("encode -g {G} -l {L} -r {new} -o {new} -f", "-o", "--residual"),
+    ("encode -g {G} -l {L} -r {R} -o {R} -f", "-o", "--residual"),
+    ("encode -g {G} -l {L} -r {R} -o {G} -f", "-o", "--global"),
+    ("encode -g {G} -l {L} -r {R} -o {L} -f", "-o", "--local"),
+    # reduce: -o must not be one of the patches
+    ("reduce {PG} {PG1} -o {PG1} -f", "-o", "patch 2"),
+    ("reduce {PG} {PG1} -o {PG} -f --dense", "-o", "patch 1"),
+    # step: the momentum is read and rewritten, so it must not be G, the update or -o
+    ("step -g {G} -u {AVG} -m {G} -o {new}", "--momentum", "--global"),
+    ("step -g {G} -u {AVG} -m {AVG} -o {new}", "--momentum", "--update"),
+    ("step -g {G} -u {AVG} -m {M} -o {M} -f", "-o", "--momentum"),
+    ("step -g {G} -u {AVG} -m {new} -o {new}", "-o", "--momentum"),
+    ("step -g {G} -u {AVG} -m {M} -o {G} -f", "-o", "--global"),
+    ("step -g {G} -u {AVG} -m {M} -o {AVG} -f", "-o", "--update"),
+    ("step -g {G} -u {AVG} --plain -o {AVG} -f", "-o", "--update"),
+]
+
+
+@pytest.mark.parametrize(
+    ("line", "written", "other", "kind"),
+    [
+        (*case, kind)
+        for case in COLLISIONS
+        # a link needs an existing target
+        for kind in (["path"] if case[0].count("{new}") > 1 else ["path", "symlink", "hardlink"])
+    ],
+)
+def test_an_output_that_is_another_input_or_output_is_refused(
+    round_files: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    line: str,
+    written: str,
+    other: str,
+    kind: str,
+) -> None:
+    """Found in review: `loco encode --residual G` replaced the global weights with the
+    residual, `-o R` with `--residual R` kept the residual and lost the patch (the sent values:
+    error feedback broken), and `loco step -o M --momentum M` dropped the new weights; all
+    exit 0. Each role's file must be its own (the same path, a symlink or a hard link to it is
+    the same file); nothing is read or written."""
+    folder = round_files["G"].parent
+    written_role = None  # the second occurrence of a role's file is given as a link to it
+    seen: set[str] = set()
+    args: list[str] = []
+    for word in line.split():
+        if word.startswith("{"):
+            role = word[1:-1]
+            path = folder / "new.out" if role == "new" else round_files[role]
+            if role in seen:
+                written_role = role
+                path = _link(kind, path, f"link-{role}")
+            seen.add(role)
+            word = str(path)
+        args.append(word)
+    assert written_role is not None
+    before = _snapshot(folder)
+    assert main(["loco", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pulsectl: error: "), err
+    assert f"{written} " in err and f"is the same file as {other} " in err, err
+    assert _snapshot(folder) == before  # nothing written, nothing replaced
+    assert not list(folder.glob(TEMP_GLOB))
+
+
+def test_the_residual_and_momentum_are_read_and_rewritten_round_after_round(
+    round_files: dict[str, Path],
+) -> None:
+    """The error-feedback residual and the momentum buffer are state carried across rounds:
+    the same file is their input and their output, by design (also through a link)."""
+    f = round_files
+    folder = f["G"].parent
+    r_before, m_before = f["R"].read_bytes(), f["M"].read_bytes()
+    r_link = _link("symlink", f["R"], "R-link.safetensors")
+    args = ["-q", "loco", "encode", "-g", str(f["G"]), "-l", str(f["L"]), "-r", str(r_link)]
+    assert main([*args, "-o", str(folder / "PG2.pulse")]) == 0
+    assert f["R"].read_bytes() != r_before or r_link.read_bytes() != r_before
+    step = ["-q", "loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), "-m", str(f["M"])]
+    assert main([*step, "-o", str(folder / "G3.safetensors")]) == 0
+    assert f["M"].read_bytes() != m_before
