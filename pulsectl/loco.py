@@ -237,11 +237,11 @@ def outer_step(
     ``m' = beta * m + u`` (``m' = u`` when there is no buffer yet, as torch starts it),
     ``d = u + beta * m'``, ``G' = G - lr * d``. ``plain``: ``G' = G - u`` (averaging), no buffer.
     """
+    lr32, beta32 = check_outer(lr, beta)
     dense = update.dense() if isinstance(update, SparseUpdate) else dict(update)
     _check_same(global_, dense, "global", "update")
     if momentum is not None and not plain:
         _check_same(global_, momentum, "global", "momentum")
-    lr32, beta32 = np.float32(lr), np.float32(beta)
     new_global: Tensors = {}
     new_momentum: Tensors = {}
     with np.errstate(all="ignore"):
@@ -259,6 +259,30 @@ def outer_step(
             new_global[name] = np.subtract(g, np.multiply(lr32, d))
             new_momentum[name] = m
     return new_global, None if plain else new_momentum
+
+
+def check_outer(lr: float, beta: float) -> tuple[np.float32, np.float32]:
+    """``lr`` and ``beta`` rounded to FP32, as the outer step uses them; refuse (UsageError)
+    a learning rate that is not finite and > 0, or a momentum outside [0, 1) (Nesterov SGD:
+    a momentum of 1 or more never forgets an update, a negative one flips them), also when
+    only its FP32 rounding is out of range (1e-50 is 0, 0.99999999999 is 1)."""
+    with np.errstate(all="ignore"):
+        lr32, beta32 = np.float32(lr), np.float32(beta)
+    for option, value, value32, ok, what in (
+        ("--lr", lr, lr32, lr32 > 0 and np.isfinite(lr32), "learning rate must be finite and > 0"),
+        ("--beta", beta, beta32, 0 <= beta32 < 1, "momentum must be in [0, 1)"),
+    ):
+        if not ok:
+            shown, shown32 = _number(float(value)), _number(float(value32))
+            rounded = f" (it is {shown32} in FP32)" if shown32 != shown else ""
+            raise UsageError(f"{option} {shown}: the outer {what}{rounded}")
+    return lr32, beta32
+
+
+def _number(x: float) -> str:
+    """A float as typed: shortest round-trip digits, without a trailing '.0'."""
+    text = repr(x)
+    return text[:-2] if text.endswith(".0") else text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +586,7 @@ def step_files(
         raise UsageError("--plain averages without momentum; do not give --momentum")
     if not plain and momentum_path is None:
         raise UsageError("give --momentum FILE (created if missing), or --plain")
+    check_outer(lr, beta)
     momentum_path = None if momentum_path is None else Path(momentum_path)
     roles = [("--global", Path(global_path), False), ("--update", Path(update_path), False)]
     if momentum_path is not None:

@@ -588,3 +588,57 @@ def test_the_residual_and_momentum_are_read_and_rewritten_round_after_round(
     step = ["-q", "loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), "-m", str(f["M"])]
     assert main([*step, "-o", str(folder / "G3.safetensors")]) == 0
     assert f["M"].read_bytes() != m_before
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--lr", "nan", "--lr nan: the outer learning rate must be finite and > 0"),
+        ("--lr", "inf", "--lr inf: the outer learning rate must be finite and > 0"),
+        ("--lr", "-5", "--lr -5: the outer learning rate must be finite and > 0"),
+        ("--lr", "0", "--lr 0: the outer learning rate must be finite and > 0"),
+        ("--lr", "1e-50", "--lr 1e-50: the outer learning rate must be finite and > 0 (it is 0"),
+        ("--lr", "1e39", "--lr 1e+39: the outer learning rate must be finite and > 0 (it is inf"),
+        ("--beta", "nan", "--beta nan: the outer momentum must be in [0, 1)"),
+        ("--beta", "7", "--beta 7: the outer momentum must be in [0, 1)"),
+        ("--beta", "1", "--beta 1: the outer momentum must be in [0, 1)"),
+        ("--beta", "-0.1", "--beta -0.1: the outer momentum must be in [0, 1)"),
+        ("--beta", "-inf", "--beta -inf: the outer momentum must be in [0, 1)"),
+        ("--beta", "0.99999999999", "must be in [0, 1) (it is 1 in FP32"),
+    ],
+)
+@pytest.mark.parametrize("plain", [False, True])
+def test_step_refuses_a_learning_rate_or_momentum_out_of_range(
+    round_files: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    option: str,
+    value: str,
+    message: str,
+    plain: bool,
+) -> None:
+    """Found in review: `loco step --lr nan` made every weight NaN, and `--lr -5 --beta 7` was
+    taken, all with exit 0. The outer step is Nesterov SGD (docs/LOCO.md): lr > 0, momentum in
+    [0, 1), both finite as the FP32 values they are rounded to. Refused before any read, also
+    with --plain (which does not use them: a bad value is still a mistake)."""
+    f = round_files
+    folder = f["G"].parent
+    before = _snapshot(folder)
+    state = ["--plain"] if plain else ["-m", str(f["M"])]
+    args = ["loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), *state]
+    assert main([*args, "-o", str(folder / "G2.safetensors"), option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert _snapshot(folder) == before
+    with pytest.raises(UsageError, match=option):
+        loco.outer_step({}, {}, **{option[2:]: float(value)})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("lr", "beta"), [("1e-30", "0"), ("5", "0.999"), ("0.7", "-0")])
+def test_step_takes_any_finite_learning_rate_and_momentum_in_range(
+    round_files: dict[str, Path], lr: str, beta: str
+) -> None:
+    f = round_files
+    out = f["G"].parent / "G2.safetensors"
+    args = ["-q", "loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), "-m", str(f["M"])]
+    assert main([*args, "-o", str(out), "--lr", lr, "--beta", beta]) == 0
+    assert all(np.isfinite(a).all() for a in loco.load_tensors(out)[0].values())

@@ -130,9 +130,11 @@ def step(
             help="Nesterov momentum buffer (safetensors); created if missing.",
         ),
     ] = None,
-    lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Outer learning rate.")] = 0.7,
+    lr: Annotated[
+        float, typer.Option("--lr", metavar="LR", help="Outer learning rate, > 0.")
+    ] = 0.7,
     beta: Annotated[
-        float, typer.Option("--beta", metavar="BETA", help="Outer Nesterov momentum.")
+        float, typer.Option("--beta", metavar="BETA", help="Outer Nesterov momentum, in [0, 1).")
     ] = 0.9,
     plain: Annotated[
         bool, typer.Option("--plain", help="Plain averaging: G2 = GLOBAL - UPDATE, no momentum.")
