@@ -550,9 +550,10 @@ def reduce_files(
     level: int = DEFAULT_LEVEL,
 ) -> ReduceSummary:
     """Average the trainers' loco patches into a loco patch, or (``dense``) a safetensors file."""
-    out = Path(out)
+    out, paths = Path(out), [Path(p) for p in patches]
+    _check_once(paths)
     _check_distinct(
-        [(f"patch {k + 1}", Path(p), False) for k, p in enumerate(patches)] + [("-o", out, True)]
+        [(f"patch {k + 1}", p, False) for k, p in enumerate(paths)] + [("-o", out, True)]
     )
     check_target(out, force)
     updates = [read_update(p) for p in patches]
@@ -612,16 +613,26 @@ def step_files(
 # Helpers
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file: the same path once resolved (symlinks followed, also
-    for a file that does not exist yet), or, for existing files, one file (a hard link)."""
-    with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a symlink loop
-        if a.resolve() == b.resolve():
-            return True
+_FileId = tuple[Path | None, tuple[int, int] | None]
+
+
+def _file_id(path: Path) -> _FileId:
+    """What makes two paths one file: the path once resolved (symlinks followed, also for a
+    file that does not exist yet) and, for an existing file, its device and inode (a hard
+    link), which is what os.path.samefile compares."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet)
-        return False
+        resolved: Path | None = path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        resolved = None
+    try:
+        st = os.stat(path)
+    except OSError:  # does not exist (yet), or cannot be reached: the resolved path decides
+        return resolved, None
+    return resolved, (st.st_dev, st.st_ino)
+
+
+def _same_file(a: _FileId, b: _FileId) -> bool:
+    return (a[0] is not None and a[0] == b[0]) or (a[1] is not None and a[1] == b[1])
 
 
 def _check_distinct(roles: Sequence[tuple[str, Path, bool]]) -> None:
@@ -632,17 +643,40 @@ def _check_distinct(roles: Sequence[tuple[str, Path, bool]]) -> None:
     so each is one role, written, and its own input; any other pair in which one is written is
     an error: the output would replace an input (``--residual G``), or one output the other
     (``-o R --residual R`` loses the patch)."""
-    for i, (name_a, a, written_a) in enumerate(roles):
-        for name_b, b, written_b in roles[i + 1 :]:
-            if not (written_a or written_b) or not _same_file(a, b):
+    ids = [_file_id(path) for _, path, _ in roles]
+    for j, (wname, wpath, written) in enumerate(roles):
+        if not written:
+            continue
+        for i, (oname, opath, _) in enumerate(roles):
+            if i == j or (i > j and roles[i][2]):  # a pair of outputs: reported once
                 continue
-            (wname, wpath), (oname, opath) = (
-                ((name_b, b), (name_a, a)) if written_b else ((name_a, a), (name_b, b))
-            )
+            if _same_file(ids[i], ids[j]):
+                raise UsageError(
+                    f"{wname} {wpath} is the same file as {oname} {opath}: writing {wname} "
+                    f"would replace it; give {wname} a file of its own"
+                )
+
+
+def _check_once(patches: Sequence[Path]) -> None:
+    """Refuse a patch file given twice to reduce (by path, symlink or hard link); equal bytes
+    in two files are not looked for (two trainers may send the same values)."""
+    by_path: dict[Path, int] = {}
+    by_inode: dict[tuple[int, int], int] = {}
+    for k, path in enumerate(patches):
+        resolved, inode = _file_id(path)
+        first = by_path.get(resolved) if resolved is not None else None
+        if first is None and inode is not None:
+            first = by_inode.get(inode)
+        if first is not None:
             raise UsageError(
-                f"{wname} {wpath} is the same file as {oname} {opath}: writing {wname} would "
-                f"replace it; give {wname} a file of its own"
+                f"patch {k + 1} {path} is the same file as patch {first + 1} {patches[first]}: "
+                "the same update twice would count one trainer twice; give each trainer's "
+                "patch once"
             )
+        if resolved is not None:
+            by_path[resolved] = k
+        if inode is not None:
+            by_inode[inode] = k
 
 
 def _f32(x: np.ndarray, name: str) -> np.ndarray:

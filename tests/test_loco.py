@@ -642,3 +642,27 @@ def test_step_takes_any_finite_learning_rate_and_momentum_in_range(
     args = ["-q", "loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), "-m", str(f["M"])]
     assert main([*args, "-o", str(out), "--lr", lr, "--beta", beta]) == 0
     assert all(np.isfinite(a).all() for a in loco.load_tensors(out)[0].values())
+
+
+@pytest.mark.parametrize("kind", ["same", "path", "symlink", "hardlink"])
+def test_reduce_refuses_the_same_patch_twice(
+    round_files: dict[str, Path], capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """Found in review: `loco reduce pg0 pg1 pg0` averaged pg0 twice (one trainer counted
+    twice, K = 3). The same file given twice (by path, or through a symlink or hard link) is
+    refused before any patch is read. Equal bytes in two different files are not looked for."""
+    f = round_files
+    folder = f["G"].parent
+    again = f["PG"] if kind == "same" else _link(kind, f["PG"], "PG-again.pulse")
+    before = _snapshot(folder)
+    out = folder / "avg2.pulse"
+    assert main(["loco", "reduce", str(f["PG"]), str(f["PG1"]), str(again), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"patch 3 {again} is the same file as patch 1 {f['PG']}" in err, err
+    assert "the same update twice would count one trainer twice" in err, err
+    assert _snapshot(folder) == before
+    # A copy is another file: taken (two trainers may send the same values).
+    copy = folder / "PG-copy.pulse"
+    copy.write_bytes(f["PG"].read_bytes())
+    assert main(["-q", "loco", "reduce", str(f["PG"]), str(copy), "-o", str(out)]) == 0
