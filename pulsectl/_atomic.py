@@ -36,7 +36,7 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
     if str(path) == "-":
         raise UsageError(
             f"-o -: this command writes its {what} as a file, not to standard output; give a "
-            "path (./- for a file named '-')"
+            "path (for a file named '-', its full path)"
         )
     try:
         mode = os.stat(path).st_mode
@@ -61,8 +61,9 @@ def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
     an input of the command or the current folder, or that holds files but no checkpoint.
 
     Replacing a folder replaces everything in it that a checkpoint does not leave out (hidden
-    entries are carried over, see ``install``): a folder of other files is most likely a
-    mistyped -o, and one that holds BASE or a patch would lose them.
+    entries are carried over, see ``install``): a folder of other files (checkpoints hold their
+    .safetensors files at the top, so ``runs/`` holding ``runs/run1/model.safetensors`` is not
+    one) is most likely a mistyped -o, and one that holds BASE or a patch would lose them.
     """
     if not path.is_dir():
         return
@@ -83,10 +84,10 @@ def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
                 path=path,
             )
     visible = list(_visible_files(path))
-    if visible and not any(e.name.endswith(".safetensors") for e in visible):
+    if visible and not any(e.parent == path and e.name.endswith(".safetensors") for e in visible):
         raise OutputError(
-            f"{path}: is a folder of other files (no .safetensors file in it); an output folder "
-            "is replaced whole: give a new or empty folder, or remove this one first",
+            f"{path}: is a folder of other files (no .safetensors file at its top); an output "
+            "folder is replaced whole: give a new or empty folder, or remove this one first",
             path=path,
         )
 
@@ -206,7 +207,7 @@ def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[Bina
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        _take_mode(tmp, path, 0o644 & ~_umask())
+        keep_mode(tmp, path)
         os.replace(tmp, path)
     except OSError as exc:
         discard(out, tmp)
@@ -245,16 +246,24 @@ def install(tmp: Path, path: Path) -> None:
     A folder cannot be renamed over a folder, so where the system can (Linux) the two are
     swapped in one step and ``path`` is at every moment the old folder or the new one; a kill
     -9 before the old one is removed leaves it under a temp name. Elsewhere: two renames, the
-    first undone if the second fails or is interrupted. What a folder checkpoint leaves out of
-    the old folder (hidden entries: ``.git``, ``.cache``) moves into the new one, and the new
-    one and its files keep the old ones' modes.
+    first undone if the second fails or is interrupted.
+
+    What a folder checkpoint leaves out of the old folder (hidden entries: ``.git``,
+    ``.cache``) moves into the new one, and the new folder and its files take the old ones'
+    modes. From the swap on, signals wait, and the old folder is first renamed aside to a
+    ``.NAME.pulsectl-kept-*`` name of its own: a caller's clean-up of its temps (``tmp``, or a
+    work folder holding it) never reaches it, and if carrying fails it stays there, named in
+    the error.
     """
-    if tmp.is_dir() and os.path.lexists(path):
-        folder = path.is_dir() and not path.is_symlink()  # a link is replaced, not followed
-        if folder:
-            _take_modes(tmp, path)
+    if not (tmp.is_dir() and os.path.lexists(path)):
+        if not tmp.is_dir():
+            _take_mode(tmp, path, None)
+        os.replace(tmp, path)
+        return
+    folder = path.is_dir() and not path.is_symlink()  # a link is replaced, not followed
+    with interrupts_deferred():
         if _exchange(tmp, path):
-            old = tmp  # now the old folder (or file)
+            old = tmp  # now the old folder (or file, or link)
         else:
             old = temp_path(path)
             os.replace(path, old)
@@ -263,52 +272,93 @@ def install(tmp: Path, path: Path) -> None:
             except BaseException:
                 os.replace(old, path)
                 raise
-        if folder:
-            _carry_hidden_or_keep(old, path)
-        else:
+        if not folder:
             remove(old)
-    else:
-        if not tmp.is_dir():
-            _take_mode(tmp, path, None)
-        os.replace(tmp, path)
+            return
+        old = _set_aside(old, path)
+        modes = _modes_of(old)  # before carrying makes any of its folders writable
+        try:
+            left = _carry_hidden(old, path)
+        except OSError as exc:
+            why = f"moving them failed ({exc.strerror or exc})"
+            raise _kept(path, old, why) from exc
+        if left:
+            raise _kept(path, old, f"{left[0]} could not move: the new checkpoint has that name")
+        _give_modes(path, modes)
+        _discard(old)
 
 
-def _carry_hidden_or_keep(old: Path, path: Path) -> None:
-    """Move the hidden entries of the replaced folder ``old`` into ``path``, then remove
-    ``old``. If a move fails, ``old`` (with what it still holds) is kept under a name of its
-    own beside ``path``, which the caller's clean-up of its temps does not touch, and the
-    error says where."""
+def _set_aside(old: Path, path: Path) -> Path:
+    """``old`` renamed to a fresh ``.NAME.pulsectl-kept-*`` beside ``path``; ``old`` itself if
+    that fails (then a failure to carry leaves it where the caller's clean-up removes it)."""
     try:
-        with interrupts_deferred():
-            _carry_hidden(old, path)
-    except OSError as exc:
-        kept = old
+        kept = Path(tempfile.mkdtemp(prefix=f".{path.name}.pulsectl-kept-", dir=path.parent))
+    except OSError:
+        return old
+    try:
+        os.replace(old, kept)  # over the empty folder just made
+    except OSError:
         with contextlib.suppress(OSError):
-            name = Path(tempfile.mkdtemp(prefix=f".{path.name}.pulsectl-kept-", dir=path.parent))
-            os.replace(old, name)  # over the empty folder just made
-            kept = name
-        raise OutputError(
-            f"{path}: written, but moving the old folder's hidden files into it failed "
-            f"({exc.strerror or exc}); the old folder is kept as {kept}",
-            path=path,
-        ) from exc
-    remove(old)
+            kept.rmdir()
+        return old
+    return kept
 
 
-def _carry_hidden(old: Path, new: Path) -> None:
+def _kept(path: Path, old: Path, why: str) -> OutputError:
+    return OutputError(
+        f"{path}: written, but the old folder's hidden entries did not all move into it: {why}; "
+        f"the old folder is kept as {old} (move what you need, then delete it)",
+        path=path,
+    )
+
+
+def _carry_hidden(old: Path, new: Path) -> list[str]:
     """Move the entries below ``old`` that a folder checkpoint leaves out (a path component
-    starting with '.') to the same place below ``new``; folders on the way are made."""
+    starting with '.') to the same place below ``new``; folders on the way are made. Returns
+    the relative paths it could not move because ``new`` has something of that name."""
+    left: list[str] = []
+    _writable(old)  # it is going: its entries may be moved out of it
     for entry in os.scandir(old):
         src, dst = Path(entry.path), new / entry.name
         if entry.name.startswith("."):
-            if not os.path.lexists(dst):
-                os.rename(src, dst)
+            if os.path.lexists(dst):
+                left.append(entry.name)
+            else:
+                _move(src, dst, entry.is_dir(follow_symlinks=False))
         elif entry.is_dir(follow_symlinks=False) and _holds_hidden(src):
             if not os.path.lexists(dst):
                 dst.mkdir()
-                shutil.copymode(src, dst)
             if dst.is_dir() and not dst.is_symlink():
-                _carry_hidden(src, dst)
+                left += [f"{entry.name}/{x}" for x in _carry_hidden(src, dst)]
+            else:
+                left.append(entry.name)
+    return left
+
+
+def _writable(folder: Path) -> None:
+    """Let this user add and remove entries in ``folder`` (a read-only model folder, as
+    downloads often are), where it may change its mode; root needs not."""
+    mode = os.stat(folder).st_mode
+    if not mode & stat.S_IWUSR:
+        with contextlib.suppress(OSError):
+            os.chmod(folder, stat.S_IMODE(mode) | stat.S_IWUSR)
+
+
+def _move(src: Path, dst: Path, is_dir: bool) -> None:
+    """rename(), for a folder without write permission too (moving a folder to another parent
+    rewrites its '..'): write permission is added for the move and taken back after."""
+    try:
+        os.rename(src, dst)
+        return
+    except PermissionError:
+        if not is_dir:
+            raise
+    mode = stat.S_IMODE(os.stat(src).st_mode)
+    os.chmod(src, mode | stat.S_IWUSR)
+    try:
+        os.rename(src, dst)
+    finally:
+        os.chmod(dst if os.path.lexists(dst) else src, mode)
 
 
 def _holds_hidden(folder: Path) -> bool:
@@ -318,14 +368,52 @@ def _holds_hidden(folder: Path) -> bool:
     return False
 
 
-def _take_modes(new: Path, old: Path) -> None:
-    """Give folder ``new`` and each file in it the mode (and owner, where allowed) of the
-    folder or file at the same place in ``old``, where there is one."""
-    _take_mode(new, old, None)
-    for root, _, files in os.walk(new):
+def _modes_of(folder: Path) -> dict[str, os.stat_result]:
+    """The stat of ``folder`` ("") and of each visible file and folder below it, by relative
+    path."""
+    found = {"": os.stat(folder)}
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in (*dirs, *files):
+            if not name.startswith("."):
+                there = Path(root) / name
+                with contextlib.suppress(OSError):
+                    found[there.relative_to(folder).as_posix()] = os.stat(there)
+    return found
+
+
+def _give_modes(new: Path, modes: dict[str, os.stat_result]) -> None:
+    """Give folder ``new`` and each visible file and folder in it the mode (and owner, where
+    allowed) recorded for the same relative path; folders last, deepest first, so that a
+    read-only one is made so once what is in it is done."""
+    folders = [""]
+    for root, dirs, files in os.walk(new):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # carried over as they were
+        rel = Path(root).relative_to(new)
+        folders += [(rel / d).as_posix() for d in dirs]
         for name in files:
-            there = Path(root) / name
-            _take_mode(there, old / there.relative_to(new), None)
+            if not name.startswith(".") and (key := (rel / name).as_posix()) in modes:
+                _set_mode(new / key, modes[key])
+    for key in sorted(folders, key=lambda k: k.count("/") + (k != ""), reverse=True):
+        if key in modes:
+            _set_mode(new / key if key else new, modes[key])
+
+
+def _discard(folder: Path) -> None:
+    """Remove the replaced folder, read-only folders in it too (this user's own)."""
+    for root, dirs, _ in os.walk(folder):
+        for d in (root, *(os.path.join(root, d) for d in dirs)):
+            with contextlib.suppress(OSError):
+                mode = os.stat(d, follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode) and not mode & stat.S_IWUSR:
+                    os.chmod(d, stat.S_IMODE(mode) | stat.S_IRWXU)
+    remove(folder)
+
+
+def keep_mode(tmp: Path, path: Path) -> None:
+    """Before ``tmp`` is renamed over ``path``: the bits and owner of ``path``, where it
+    exists, else the usual 0644 less the umask."""
+    _take_mode(tmp, path, 0o644 & ~_umask())
 
 
 def _take_mode(tmp: Path, path: Path, default: int | None) -> None:
@@ -340,11 +428,18 @@ def _take_mode(tmp: Path, path: Path, default: int | None) -> None:
         if default is not None:
             os.chmod(tmp, default)
         return
-    mine = os.stat(tmp)
+    _set_mode(tmp, st)
+
+
+def _set_mode(path: Path, st: os.stat_result) -> None:
+    """``path`` gets the owner (where allowed: only root may give a file away) and then the
+    permission bits in ``st`` (chown clears set-user-ID bits, so it goes first)."""
+    mine = os.stat(path)
     if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
-        with contextlib.suppress(OSError):  # only root may give a file away
-            os.chown(tmp, st.st_uid, st.st_gid)
-    os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        with contextlib.suppress(OSError):
+            os.chown(path, st.st_uid, st.st_gid)
+    if stat.S_ISDIR(st.st_mode) == stat.S_ISDIR(mine.st_mode):
+        os.chmod(path, stat.S_IMODE(st.st_mode))
 
 
 def _exchange(a: Path, b: Path) -> bool:

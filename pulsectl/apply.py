@@ -254,6 +254,17 @@ def _updating(base: Path, on_wait: Callable[[str], None] | None) -> Iterator[Non
                     told = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
             held = os.fstat(fd)
+        except OSError as exc:
+            # No lock here (NFS wants a file opened for writing, some file systems have none):
+            # go on as before the lock existed, and say so.
+            os.close(fd)
+            if on_wait is not None:
+                on_wait(
+                    f"{base}: cannot lock it ({exc.strerror or exc}); another `apply --in-place` "
+                    "of it at the same time would not wait for this one"
+                )
+            yield
+            return
         except BaseException:
             os.close(fd)
             raise

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import check_target, os_error, remove, temp_path
+from pulsectl._atomic import check_target, keep_mode, os_error, remove, temp_path
 from pulsectl._io import pread_array
 from pulsectl.cast import cast_words
 from pulsectl.checkpoint import (
@@ -850,6 +850,7 @@ def _commit(writes: Sequence[tuple[Path, Any]]) -> None:
             write(tmp)
         for tmp, target in temps:
             try:
+                keep_mode(tmp, target)  # a replaced file keeps its bits
                 os.replace(tmp, target)
             except OSError as exc:
                 raise os_error(exc, target) from exc

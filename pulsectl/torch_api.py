@@ -598,7 +598,10 @@ def _check_aliases(
                 continue  # tied, and both get the same bytes
             changed, other = (key, key2) if key in written else (key2, key)
             if not same_view:
-                why = f"overlap in memory, and writing {changed!r} would change {other!r}"
+                why = (
+                    f"span overlapping memory, so writing {changed!r} may change {other!r} "
+                    "(views that interleave without sharing elements are refused too)"
+                )
             elif both:
                 why = "are tied (the same memory), and the patch gives them different values"
             else:

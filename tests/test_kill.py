@@ -107,8 +107,16 @@ def apply_argv(chain: Chain, out: Path | None, base: Path | None = None) -> list
 
 
 def interrupt(argv: list[str], sig: signal.Signals, delay: float) -> tuple[int, str]:
-    """Start ``argv``, send ``sig`` after ``delay`` seconds; its exit status and stderr."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """Start ``argv``, send ``sig`` after ``delay`` seconds; its exit status and stderr.
+
+    The child starts with every signal at its default action: under `nohup` (SIGHUP ignored,
+    which a child inherits and pulsectl respects) the SIGHUP rounds would test nothing."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+    )
     try:
         proc.wait(timeout=delay)
     except subprocess.TimeoutExpired:

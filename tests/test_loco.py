@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -666,3 +667,12 @@ def test_reduce_refuses_the_same_patch_twice(
     copy = folder / "PG-copy.pulse"
     copy.write_bytes(f["PG"].read_bytes())
     assert main(["-q", "loco", "reduce", str(f["PG"]), str(copy), "-o", str(out)]) == 0
+
+
+def test_a_replaced_residual_keeps_its_mode(trainer: tuple[Path, Path, Path]) -> None:
+    """Like every replaced output (GUARANTEES.md): a private residual stays private."""
+    g, lo, r = trainer
+    loco.encode_files(g, lo, r, g.parent / "pg1.pulse")
+    r.chmod(0o600)
+    loco.encode_files(g, lo, r, g.parent / "pg2.pulse")
+    assert stat.S_IMODE(r.stat().st_mode) == 0o600

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
+import select
 import shutil
 import stat
 import subprocess
@@ -27,6 +27,8 @@ from conftest import tree_bytes
 from pulsectl.apply import apply_patches
 from pulsectl.cli.app import main
 from pulsectl.diff import DiffOptions, diff_to_path
+
+fcntl = pytest.importorskip("fcntl")  # POSIX locks: --in-place runs take turns with flock
 
 
 def _cli(*args: str, cwd: Path | None = None, **kw: object) -> subprocess.CompletedProcess[bytes]:
@@ -107,8 +109,8 @@ def test_a_folder_holding_an_input_or_the_current_folder_is_not_replaced(
 ) -> None:
     base, patch, _ = folders
     out = tmp_path / "outer"
-    out.mkdir()
-    shutil.copytree(base, out / "ckpt")  # a checkpoint inside: -f alone would replace it
+    shutil.copytree(base, out)  # a checkpoint folder: -f alone would replace it
+    (out / "ckpt").mkdir()
     argv = ["apply", str(base), str(patch), "-o", str(out), "-f"]
     cwd = None
     if where == "base":
@@ -135,11 +137,17 @@ def test_a_folder_of_other_files_is_not_replaced(
     out = tmp_path / "work"
     (out / "data").mkdir(parents=True)
     (out / "data" / "thesis.txt").write_text("years of work")
-    for args in (["apply", str(base), str(patch)], ["cast", str(base), "--to", "f16"]):
-        run = _cli(*args, "-o", str(out), "-f")
-        assert run.returncode == 1
-        assert "is a folder of other files" in _error(run.stderr.decode())
+    runs = tmp_path / "runs"  # checkpoints below it, none at its top: not a checkpoint
+    shutil.copytree(base, runs / "run1")
+    (runs / "notes.txt").write_text("which run was best")
+    before = tree_bytes(runs)
+    for folder in (out, runs):
+        for args in (["apply", str(base), str(patch)], ["cast", str(base), "--to", "f16"]):
+            run = _cli(*args, "-o", str(folder), "-f")
+            assert run.returncode == 1
+            assert "is a folder of other files" in _error(run.stderr.decode())
     assert tree_bytes(out) == {"data/thesis.txt": b"years of work"}
+    assert tree_bytes(runs) == before
 
 
 def test_a_pipe_is_never_replaced(chain: list[Path], tmp_path: Path) -> None:
@@ -233,6 +241,8 @@ def test_in_place_runs_on_one_base_take_turns(chain: list[Path], tmp_path: Path)
     )
     try:
         assert proc.stderr is not None
+        ready, _, _ = select.select([proc.stderr], [], [], 60)  # the line, or fail (no hang)
+        assert ready, "no 'waiting' line within 60 s"
         line = proc.stderr.readline().decode()
         assert line == f"{base}: another pulsectl is updating it; waiting for it to finish\n"
         time.sleep(0.2)
@@ -246,3 +256,67 @@ def test_in_place_runs_on_one_base_take_turns(chain: list[Path], tmp_path: Path)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert base.read_bytes() == chain[1].read_bytes()
+
+
+def test_a_failed_or_interrupted_carry_keeps_the_old_folder(
+    folders: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the new folder is in place the old one is set aside under a name of its own
+    (`.NAME.pulsectl-kept-*`), so that no clean-up of temps reaches the hidden entries it
+    still holds: if moving them fails, it is kept and named; a signal waits for the carry."""
+    import signal
+
+    from pulsectl import _atomic
+    from pulsectl.errors import OutputError
+
+    base, patch, target = folders
+    _add_hidden(base)
+    hidden = _hidden(base)
+    real = _atomic._carry_hidden
+
+    def fails(old: Path, new: Path) -> list[str]:
+        os.kill(os.getpid(), signal.SIGINT)  # held until the carry is done
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_atomic, "_carry_hidden", fails)
+    with pytest.raises(KeyboardInterrupt):  # the held SIGINT, after the failure was handled
+        apply_patches(base, [patch], in_place=True)
+    assert _visible(base) == tree_bytes(target)  # the new checkpoint is in place
+    kept = [p for p in base.parent.iterdir() if ".pulsectl-kept-" in p.name]
+    assert len(kept) == 1 and _hidden(kept[0]) == hidden  # nothing of them was lost
+
+    shutil.rmtree(kept[0])
+    shutil.rmtree(base)
+    shutil.copytree(folders[2], base)  # a fresh base: the target, patched back is not needed
+    monkeypatch.setattr(_atomic, "_carry_hidden", real)
+    _add_hidden(base)
+    back = base.parent / "back.pulse"
+    diff_to_path(target, target, back)
+
+    def interrupted(old: Path, new: Path) -> list[str]:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(old, new)
+
+    monkeypatch.setattr(_atomic, "_carry_hidden", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        apply_patches(base, [back], in_place=True)
+    assert _hidden(base) == hidden  # carried before the signal was acted on
+    assert not [p for p in base.parent.iterdir() if ".pulsectl-" in p.name]
+
+    monkeypatch.setattr(_atomic, "_carry_hidden", lambda old, new: [".git"])
+    with pytest.raises(OutputError, match=r"\.git could not move: the new checkpoint has"):
+        apply_patches(base, [back], in_place=True)
+    kept = [p for p in base.parent.iterdir() if ".pulsectl-kept-" in p.name]
+    assert len(kept) == 1 and (kept[0] / ".git" / "HEAD").exists()
+
+
+def test_a_closed_stdin_gives_an_empty_patch(chain: list[Path], tmp_path: Path) -> None:
+    r = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m pulsectl apply {chain[0]} - -o x <&-"],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+    )
+    assert r.returncode == 3, r.stderr
+    assert "no patch bytes arrived" in _error(r.stderr.decode())
+    assert not (tmp_path / "x").exists()

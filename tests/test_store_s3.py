@@ -210,9 +210,36 @@ def test_a_manifest_is_created_once(s3: dict[str, str], chain: list[Path], tmp_p
 
     store = open_store(f"s3://{BUCKET}/once")
     store.create("steps/00000001.json", b"first")
+    # Only the conditional PUT may refuse: a check before it would race (it is told nothing).
+    store.exists = lambda key: False  # type: ignore[method-assign]
     with pytest.raises(ObjectExistsError, match="once/steps/00000001.json: already in the store"):
         store.create("steps/00000001.json", b"second")
     assert store.read("steps/00000001.json") == b"first"
+
+
+def test_a_server_without_conditional_puts_gets_a_check_first(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server (or an old botocore) that does not know If-None-Match: the create falls back
+    to a check, then a plain PUT."""
+    from botocore.exceptions import ClientError
+
+    from pulsectl.store.base import ObjectExistsError
+
+    store = open_store(f"s3://{BUCKET}/nocond")
+    real = store.client.put_object
+
+    def no_condition(**kw: object) -> object:
+        if "IfNoneMatch" in kw:
+            error = {"Error": {"Code": "NotImplemented", "Message": "not here"}}
+            raise ClientError(error, "PutObject")  # type: ignore[arg-type]
+        return real(**kw)
+
+    monkeypatch.setattr(store.client, "put_object", no_condition)
+    store.create("steps/00000002.json", b"first")
+    with pytest.raises(ObjectExistsError):
+        store.create("steps/00000002.json", b"second")
+    assert store.read("steps/00000002.json") == b"first"
 
 
 def test_prune_reports_keys_s3_refused_to_delete(

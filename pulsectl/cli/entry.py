@@ -54,7 +54,8 @@ def _hold_standard_fds() -> None:
     output's temp file, would get it, and a write meant for stderr (a message, a traceback)
     would land in that file. Python has already made ``sys.stdout`` (or ``sys.stderr``) None
     for such a descriptor, so a command that must write to stdout still says it is closed;
-    ``sys.stderr`` gets the null device, so messages go nowhere instead of failing.
+    ``sys.stderr`` gets the null device, so messages go nowhere instead of failing, and
+    ``sys.stdin`` too, so that a patch read from '-' is an empty one.
     """
     for fd in (0, 1, 2):
         try:
@@ -66,6 +67,8 @@ def _hold_standard_fds() -> None:
                 os.close(null)
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    if sys.stdin is None:  # '-' then reads nothing: "empty: no patch bytes arrived"
+        sys.stdin = open(os.devnull)  # noqa: SIM115
 
 
 def run() -> None:

@@ -141,6 +141,8 @@ class S3Store(Store):
                 with self._errors(key):
                     raise
             super().create(key, data)
+        except bx.ParamValidationError:
+            super().create(key, data)  # a botocore from before conditional writes (< 1.35)
         except bx.BotoCoreError:
             with self._errors(key):
                 raise
