@@ -395,7 +395,7 @@ def test_apply_patch_refuses_a_write_through_tied_or_overlapping_tensors():
     new = {"a": old["a"].clone(), "b": old["b"]}
     new["a"][0] = -1.0
     live = {"a": x[0:6], "b": x[4:10]}
-    with pytest.raises(UsageError, match="'a' and 'b' overlap in memory"):
+    with pytest.raises(UsageError, match="'a' and 'b' span overlapping memory"):
         apply_patch(live, make_patch(old, new))
     assert torch.equal(x, torch.arange(10, dtype=torch.float32))
 
