@@ -196,6 +196,9 @@ def _parse_entry(name: str, entry: object, data_start: int, path: str | Path) ->
     ):
         raise fail(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
     begin, end = offsets
+    if math.prod(shape) * DTYPES[dtype].bits % 8:
+        # As the official library: a packed sub-byte tensor (F4, F6_*) must fill whole bytes.
+        raise fail(f"{dtype} {shape} does not end at a byte boundary")
     expected = DTYPES[dtype].nbytes(math.prod(shape))
     if end - begin != expected:
         raise fail(
@@ -461,6 +464,8 @@ def _tensor_bytes(
         buf = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
     else:
         buf = memoryview(data).cast("B")
+    if math.prod(dims) * DTYPES[dtype].bits % 8:
+        raise ValueError(f"tensor {name!r}: {dtype} {dims} does not end at a byte boundary")
     expected = DTYPES[dtype].nbytes(math.prod(dims))
     if buf.nbytes != expected:
         raise ValueError(

@@ -18,6 +18,7 @@ units in the last place. Memory stays at a few chunks whatever the model size.
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pulsectl._atomic import atomic_file
+from pulsectl._atomic import atomic_file, check_target
 from pulsectl._io import default_workers, ordered_map
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cast import cast_temporaries, target_dtype
@@ -656,8 +657,20 @@ def _window_task(
 # Plot
 
 
-def plot_stats(doc: dict[str, Any], path: str | Path) -> None:
+def check_plot_target(path: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
+    """Refuse a plot path that exists (unless ``force``), is not a file, or is one of the
+    command's inputs (even with ``force``: the PNG would replace the checkpoint or patch)."""
+    path = Path(path)
+    check_target(path, force, "plot")
+    for item in inputs:
+        same = str(item) != "-" and path.exists() and Path(item).exists()
+        if same and os.path.samefile(path, item):
+            raise UsageError(f"{path}: is an input of this command; write the plot elsewhere")
+
+
+def plot_stats(doc: dict[str, Any], path: str | Path, *, force: bool = False) -> None:
     """Draw a `stats --json` document as a PNG: density per layer and kind, or versus k.
+    An existing file at ``path`` is replaced only with ``force``.
 
     Needs matplotlib (``pip install 'pulsectl[plot]'``); imported only here.
     """
@@ -699,7 +712,7 @@ def plot_stats(doc: dict[str, Any], path: str | Path) -> None:
         ax2.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     try:
-        with atomic_file(Path(path), force=True) as f:
+        with atomic_file(Path(path), force) as f:
             fig.savefig(f, format="png", dpi=100, metadata={"Software": None})
     finally:
         plt.close(fig)

@@ -614,9 +614,21 @@ def test_bad_tensor_entry(tmp_path: Path, entry: Any, message: str) -> None:
     assert err.tensor == "w"
 
 
-def test_sub_byte_dtype_size_rounds_up(tmp_path: Path) -> None:
-    path = _write_raw(tmp_path / "f4.safetensors", {"q": _entry("F4", [3], 0, 2)}, b"ab")
+def test_sub_byte_tensors_fill_whole_bytes(tmp_path: Path) -> None:
+    """Packed F4/F6 tensors take whole bytes; one that would end inside a byte is malformed,
+    as the official library says too."""
+    from safetensors import safe_open
+
+    path = _write_raw(tmp_path / "f4.safetensors", {"q": _entry("F4", [4], 0, 2)}, b"ab")
     assert read_header(path).tensors[0].nbytes == 2
+    for dtype, shape, nbytes in (("F4", [3], 2), ("F6_E2M3", [5], 4)):
+        err = _bad(tmp_path, {"q": _entry(dtype, shape, 0, nbytes)}, b"x" * nbytes)
+        assert f"{dtype} {shape} does not end at a byte boundary" in str(err)
+        bad = _write_raw(
+            tmp_path / f"{dtype}.safetensors", {"q": _entry(dtype, shape, 0, nbytes)}, b"x" * nbytes
+        )
+        with pytest.raises(Exception, match="byte boundary"):
+            safe_open(str(bad), framework="np")
 
 
 def test_offsets_overlap(tmp_path: Path) -> None:

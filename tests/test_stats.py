@@ -320,3 +320,23 @@ def test_a_delta_payload_claiming_more_changes_than_its_block_has_is_damaged(cod
     hostile = (0xFFFF_FFF0).to_bytes(4, "little") + payload[4:]  # the count comes first
     with pytest.raises(CorruptPatchError, match="claims 4294967280 changes in 65536 words"):
         delta_payload_histogram(hostile, 2, codec, 1 << 16)
+
+
+def test_plot_never_replaces_an_input_and_needs_f_for_a_file(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--plot` is an output like any other: an existing file needs -f, and an input is never
+    replaced (it used to be: `--plot NEW.safetensors` turned the checkpoint into a PNG)."""
+    victim = tmp_path / "victim.safetensors"
+    victim.write_bytes(chain[2].read_bytes())
+    new = tmp_path / "new.safetensors"
+    new.write_bytes(chain[1].read_bytes())
+    for target, extra, want in (
+        (victim, [], "plot exists; pass -f to overwrite"),
+        (new, ["-f"], "is an input of this command"),
+    ):
+        argv = ["stats", str(chain[0]), str(new), "--plot", str(target), *extra]
+        assert main(argv) in (1, 2)
+        assert want in capsys.readouterr().err
+    assert victim.read_bytes() == chain[2].read_bytes()
+    assert new.read_bytes() == chain[1].read_bytes()

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from pulsectl._names import DEFAULT_KS
-from pulsectl.cli._options import FindDevice, JsonFlag, Workers
+from pulsectl.cli._options import FindDevice, Force, JsonFlag, Workers
 from pulsectl.cli._output import Output, smaller_than
 from pulsectl.errors import UsageError
 from pulsectl.errors import escape_controls as shown
@@ -52,16 +52,27 @@ def stats(
         ),
     ] = None,
     top: Annotated[
-        int, typer.Option("--top", metavar="N", help="Tensors listed, most changes first.")
+        int,
+        typer.Option("--top", metavar="N", min=0, help="Tensors listed, most changes first."),
     ] = 10,
     workers: Workers = None,
     device: FindDevice = "auto",
+    force: Force = False,
 ) -> None:
     """Changed words, density, patch size and word-delta histogram, by layer and kind."""
     from pulsectl.device import resolve
-    from pulsectl.stats import chain_stats, pair_stats, parse_ks, patch_stats, plot_stats
+    from pulsectl.stats import (
+        chain_stats,
+        check_plot_target,
+        pair_stats,
+        parse_ks,
+        patch_stats,
+        plot_stats,
+    )
 
     out: Output = ctx.obj
+    if plot is not None:  # before any work: an existing file needs -f, an input never goes
+        check_plot_target(plot, inputs, force)
     if len(inputs) == 1:
         if Path(inputs[0]).is_dir() or inputs[0].endswith(".safetensors"):
             raise UsageError(
@@ -81,7 +92,7 @@ def stats(
             inputs, ks, as_dtype=as_dtype, workers=workers, device=resolve(device)
         ).to_json()
     if plot is not None:
-        plot_stats(doc, plot)
+        plot_stats(doc, plot, force=force)
         out.info(f"wrote {plot}")
     if as_json:
         out.json(doc)
