@@ -19,7 +19,8 @@ def inspect(
         bool, typer.Option("--check", help="Read the whole patch and verify every checksum.")
     ] = False,
     top: Annotated[
-        int, typer.Option("--top", metavar="N", help="Tensors listed, largest frames first.")
+        int,
+        typer.Option("--top", metavar="N", min=0, help="Tensors listed, largest frames first."),
     ] = 20,
 ) -> None:
     """Show a patch's fingerprints, tensors, change counts and sizes."""
