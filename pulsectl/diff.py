@@ -262,9 +262,10 @@ def _require_same_layout(base: Source, target: Source, old: object, new: object)
     )
     if not same:
         raise UsageError(
-            f"{old} and {new} differ in their files or tensor layout (tensors added, removed, "
-            "reshaped or re-typed); a block patch (--tensors/--exclude/--blocks) needs the same "
-            "layout: make a full patch instead"
+            f"{old} and {new} differ in their files or safetensors headers (tensors added, "
+            "removed, reshaped, re-typed or in another order, or other metadata); a block patch "
+            "(--tensors/--exclude/--blocks) keeps the base's headers, so it needs them to be the "
+            "same: make a full patch instead"
         )
     for index, entry in enumerate(target.files):
         if entry.header is None and (
