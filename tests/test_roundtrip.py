@@ -27,6 +27,7 @@ from pulsectl._dtypes import DTYPES
 from pulsectl.apply import apply_patches
 from pulsectl.diff import DiffOptions, diff_checkpoints, diff_to_path
 from pulsectl.info import read_patch_info
+from pulsectl.synth import generate_chain
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
@@ -435,3 +436,13 @@ def test_diff_bytes_do_not_depend_on_workers_or_the_base_scan(
     one = patch_bytes(chain[0], chain[3], block_bytes=4096, workers=1)
     for workers in (2, 5):
         assert patch_bytes(chain[0], chain[3], block_bytes=4096, workers=workers) == one
+
+
+def test_higher_levels_are_never_larger_than_the_default(tmp_path: Path):
+    """`--level` is a size/speed trade-off: above the default level the value planes keep the
+    default level's frame when the level's own zstd parameters do worse on them (they did at
+    levels 4-18, by 1-3% of the patch), so no level above it writes a larger patch."""
+    old, new = generate_chain(tmp_path, "tiny", steps=1, lr=3e-5, seed=3)
+    default = len(patch_bytes(old, new, level=3))
+    sizes = {level: len(patch_bytes(old, new, level=level)) for level in (4, 6, 9, 12)}
+    assert all(size <= default for size in sizes.values()), (default, sizes)

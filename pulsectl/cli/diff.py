@@ -39,7 +39,8 @@ def diff(
             metavar="LEVEL",
             help=(
                 f"Size/speed trade-off: 1..{MAX_LEVEL} (zstd level of the codec planes, default "
-                f"{DEFAULT_LEVEL}; 1-3 share fast value-plane settings), or 'max' (base-context "
+                f"{DEFAULT_LEVEL}; 1-3 share fast value-plane settings, which higher levels "
+                "also try: slower, their value planes never larger), or 'max' (base-context "
                 "codec, smallest patches, slower)."
             ),
         ),
