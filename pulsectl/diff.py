@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import struct
 import threading
 from collections.abc import Callable, Generator, Iterator
@@ -63,12 +64,55 @@ class DiffOptions:
         return bool(self.tensors or self.exclude)
 
     def selects(self, name: str) -> bool:
-        return (not self.tensors or any(fnmatch.fnmatchcase(name, g) for g in self.tensors)) and (
-            not any(fnmatch.fnmatchcase(name, g) for g in self.exclude)
-        )
+        return (not self.tensors or self._picks.matches(name)) and not self._drops.matches(name)
+
+    # The globs split once per options (dataclasses.replace makes a new one): a glob without
+    # wildcards is a set lookup, so a block patch of N exact names (--blocks) selects in O(1)
+    # per tensor instead of N fnmatch calls.
+    @functools.cached_property
+    def _picks(self) -> _Globs:
+        return _Globs(self.tensors)
+
+    @functools.cached_property
+    def _drops(self) -> _Globs:
+        return _Globs(self.exclude)
 
     block_bytes: int = DEFAULT_BLOCK_BYTES
     workers: int = field(default_factory=default_workers)
+
+
+_ESCAPES = ("[*]", "[?]", "[[]")  # what glob.escape writes for the three wildcard characters
+
+
+def _literal(pattern: str) -> str | None:
+    """The one name fnmatch glob ``pattern`` matches when it has no wildcard, else None.
+
+    ``*``, ``?`` and ``[`` are fnmatch's only special characters; ``[*]``, ``[?]`` and ``[[]``
+    (``glob.escape``) match just that character."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith(_ESCAPES, i):
+            out.append(pattern[i + 1])
+            i += 3
+        elif pattern[i] in "*?[":
+            return None
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
+
+
+class _Globs:
+    """fnmatch globs (case-sensitive): exact names in a set, the rest matched one by one."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        literals = {p: _literal(p) for p in patterns}
+        self.names = frozenset(n for n in literals.values() if n is not None)
+        self.globs = tuple(p for p, n in literals.items() if n is None)
+
+    def matches(self, name: str) -> bool:
+        return name in self.names or any(fnmatch.fnmatchcase(name, g) for g in self.globs)
 
 
 @dataclass(frozen=True)

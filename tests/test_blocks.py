@@ -67,6 +67,57 @@ def test_tensor_globs(tmp_path: Path, chain):
         diff_to_path(old, new, tmp_path / "none.pulse", options=DiffOptions(tensors=("nope*",)))
 
 
+def test_blocks_select_by_name_without_fnmatch(tmp_path: Path, chain, monkeypatch):
+    # Each block patch names its tensors exactly: selecting them is a set lookup per tensor,
+    # not one fnmatch call per (tensor, member) pair, which made --blocks quadratic.
+    import fnmatch
+
+    calls: list[tuple[str, str]] = []
+    real = fnmatch.fnmatchcase
+
+    def counting(name: str, pat: str) -> bool:
+        calls.append((name, pat))
+        return real(name, pat)
+
+    monkeypatch.setattr(fnmatch, "fnmatchcase", counting)
+    old, new = chain[0], chain[1]
+    written = diff_blocks(old, new, tmp_path / "s.pulse", 2, options=OPTIONS)
+    assert calls == []
+    out = tmp_path / "out.safetensors"
+    apply_patches(old, [p for p, _ in written], out)
+    assert out.read_bytes() == new.read_bytes()
+    # a glob is still matched as one: once per tensor not picked by name
+    options = DiffOptions(tensors=("model.embed_tokens.weight", "*.mlp.*"), exclude=("*down*",))
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.up.weight", "model.norm.weight"]
+    assert [options.selects(n) for n in names] == [True, True, False]
+    # the embedding is picked by name (then checked against --exclude); the norm stops at *.mlp.*
+    assert sorted(calls) == [
+        ("model.embed_tokens.weight", "*down*"),
+        ("model.layers.0.mlp.up.weight", "*.mlp.*"),
+        ("model.layers.0.mlp.up.weight", "*down*"),
+        ("model.norm.weight", "*.mlp.*"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name", ["plain.weight", "a*b", "a?b", "a[0]b", "a[b", "[*]", "a]b", "a\\*b", "*", "[!x]"]
+)
+def test_exact_names_and_globs_select_as_fnmatch_does(name: str):
+    # Names given escaped (glob.escape, as --blocks does) select only themselves; wildcard
+    # globs keep fnmatch's meaning, in --tensors and in --exclude.
+    import fnmatch
+    import glob
+
+    others = ["plain.weight", "a*b", "a?b", "a[0]b", "a0b", "axb", "a[b", "*", "[*]", "a]b", "x"]
+    patterns = [(glob.escape(name),), (name,), (glob.escape(name), "a*"), ("x", name)]
+    for pats in patterns:
+        for cand in [name, *others]:
+            want = any(fnmatch.fnmatchcase(cand, g) for g in pats)
+            assert DiffOptions(tensors=pats).selects(cand) == want, (pats, cand)
+            assert DiffOptions(exclude=pats).selects(cand) == (not want), (pats, cand)
+    assert DiffOptions(tensors=(glob.escape(name),)).selects(name)
+
+
 def test_block_patch_needs_same_layout(tmp_path: Path, chain):
     import numpy as np
 
