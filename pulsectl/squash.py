@@ -85,6 +85,13 @@ def squash_patches(
         out = Path(out)
         check_target(out, force)  # before the patches are read
     infos = [read_patch_info(p, check=True) for p in patches]
+    for info in infos:
+        if info.header.scope == "tensors":
+            raise UsageError(
+                f"{info.name}: a block patch (--tensors/--exclude/--blocks); squash takes full "
+                "patches; block patches of one update apply together with `apply`",
+                path=info.name,
+            )
     for prev, nxt in zip(infos, infos[1:], strict=False):
         if nxt.header.base_fingerprint != prev.trailer.target_fingerprint:
             raise IntegrityError(
@@ -235,7 +242,7 @@ def _compose_block(
     moves = np.empty(0, dtype=utype)
     for block, source in zip(blocks, sources, strict=True):
         try:
-            raw, positions, moves = _fold(block, item, size, name, raw, positions, moves)
+            raw, positions, moves = _fold(block, item, size, source, raw, positions, moves)
         except CorruptPatchError as exc:
             raise CorruptPatchError(
                 f"{source}: tensor {item.label!r}: {exc}", path=source, tensor=item.name
@@ -274,7 +281,7 @@ def _fold(
     moves: np.ndarray,
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """One more link of a block's chain: its bytes (once a link stored them whole), or its
-    moves from the origin."""
+    moves from the origin. ``name``: the patch ``block`` comes from."""
     word = item.word
     codec, paired = plain_codec(block.codec)
     if codec == CODEC_COPY:
@@ -287,8 +294,10 @@ def _fold(
     if codec == CODEC_CONTEXT:
         if raw is None:
             raise UsageError(
-                f"{name}: the chain has --level max blocks, which need the base to decode; "
-                "squash with --base CKPT"
+                f"{name}: has --level max blocks (tensor {item.label!r}), which need the base "
+                "to decode; squash with --base CKPT",
+                path=name,
+                tensor=item.name,
             )
         return decode_block(block.codec, block.payload, raw, size, word).copy(), positions, moves
     if codec in (CODEC_DELTA, CODEC_RICE):

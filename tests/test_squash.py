@@ -105,6 +105,43 @@ def test_max_level_chains_need_the_base(tmp_path: Path):
     assert (tmp_path / "out.safetensors").read_bytes() == chain[-1].read_bytes()
 
 
+def test_max_level_refusal_names_the_patch_with_context_blocks(tmp_path: Path, capsys):
+    # Only the middle link is --level max: the refusal named the chain's last patch.
+    chain = _chain(tmp_path, steps=3)
+    patches = []
+    for i, options in enumerate((FAST, MAX, FAST)):
+        patches.append(tmp_path / f"link{i}.pulse")
+        diff_to_path(chain[i], chain[i + 1], patches[-1], options=options)
+    with pytest.raises(UsageError, match="--base") as exc:
+        squash_patches(patches, tmp_path / "x.pulse")
+    assert exc.value.path == str(patches[1])
+    assert str(exc.value).startswith(f"{patches[1]}: has --level max blocks (tensor ")
+    assert not (tmp_path / "x.pulse").exists()
+    assert main(["squash", *map(str, patches), "-o", str(tmp_path / "x.pulse")]) == 2
+    err = capsys.readouterr().err
+    assert f"{patches[1]}: has --level max blocks" in err and str(patches[2]) not in err
+
+
+def test_block_patches_are_refused_in_one_line(tmp_path: Path, capsys):
+    from pulsectl.blocks import diff_blocks
+
+    chain = _chain(tmp_path, steps=1)
+    blocks = [p for p, _ in diff_blocks(chain[0], chain[1], tmp_path / "b.pulse", 2, options=FAST)]
+    full = tmp_path / "full.pulse"
+    diff_to_path(chain[0], chain[1], full, options=FAST)
+    for given in (blocks, blocks[:1], [full, blocks[0]]):
+        for base in (None, chain[0]):
+            with pytest.raises(UsageError, match="squash takes full patches") as exc:
+                squash_patches(given, tmp_path / "x.pulse", base=base)
+            assert exc.value.path == str(blocks[0])
+            assert not (tmp_path / "x.pulse").exists()
+    assert main(["squash", *map(str, blocks), "-o", str(tmp_path / "x.pulse")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "block patches of one update apply together with `apply`" in err
+    assert "out of order" not in err
+
+
 def test_out_of_order_chain_is_refused(tmp_path: Path):
     chain = _chain(tmp_path, steps=2)
     p0, p1 = _patches(tmp_path, chain, FAST)

@@ -14,7 +14,8 @@ from pulsectl.cli._output import Output
 def squash(
     ctx: typer.Context,
     patches: Annotated[
-        list[Path], typer.Argument(metavar="PATCH...", help="Patch files in chain order.")
+        list[Path],
+        typer.Argument(metavar="PATCH...", help="Full patches (not block patches) in chain order."),
     ],
     output: Annotated[
         Path,
