@@ -622,3 +622,22 @@ def test_publish_as_is_one_spelling(tmp_path: Path) -> None:
     assert manifest(store, 0)["cast"] == "bf16"
     publish(store, masters[1], options=PublishOptions(cast="bf16", cache_dir=tmp_path / "c1"))
     assert manifest(store, 1)["cast"] == "bf16"
+
+
+def test_a_stray_file_in_an_anchor_folder_is_named(tmp_path: Path) -> None:
+    """A folder store's anchor folder is read in place: a file its manifest does not list is
+    named as the anchor's problem, and another anchor is used where there is one."""
+    chain = generate_chain(tmp_path / "hf", "tiny", steps=4, lr=3e-6, seed=5, shards=2)
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    for p in chain:
+        publish(store, p, options=PublishOptions(anchor_every=3, cache_dir=cache))
+    anchor3 = next((store / "anchors").glob("00000003-*"))
+    (anchor3 / "stray.txt").write_text("dropped here by hand")
+    said: list[str] = []
+    summary = pull(store, tmp_path / "w", step=4, log=said.append)
+    assert summary.start == "anchor of step 0"  # around the spoiled anchor
+    assert tree_bytes(tmp_path / "w") == tree_bytes(chain[4])
+    assert any("holds 'stray.txt', which its manifest does not list" in m for m in said), said
+    summary = pull(store, tmp_path / "x", step=3)  # the anchor's own step too
+    assert summary.start == "anchor of step 0" and summary.patches == 3
+    assert tree_bytes(tmp_path / "x") == tree_bytes(chain[3])

@@ -9,6 +9,7 @@ plan: walk back from the target step along its patches to a local copy of a step
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import tempfile
@@ -345,6 +346,17 @@ def _execute(
                 if not first.path
                 else paths[0].parents[len(PurePosixPath(first.path).parts) - 1]
             )
+            if first.path:
+                # A folder store's anchor folder is read in place: a file its manifest does not
+                # list would become part of the checkpoint (and every patch after it would
+                # refuse it as a base). Name the anchor, not the patches.
+                extra = _unlisted(current, {f.path for f in anchor})
+                if extra:
+                    raise _Broken(
+                        first.key,
+                        f"step {plan.start.step}: its anchor folder {current} holds {extra!r}, "
+                        "which its manifest does not list",
+                    )
         else:
             current = plan.local
         current_fp = plan.start.target_fingerprint
@@ -400,6 +412,17 @@ def _describe(plan: _Plan, out: Path) -> str:
         else f"the anchor of step {plan.start.step}"
     )
     return f"step {last}: from {start}, {len(plan.patches)} patch(es), {plan.cost:,} bytes to fetch"
+
+
+def _unlisted(folder: Path, listed: set[str]) -> str | None:
+    """A visible file below ``folder`` (relative path) that is not in ``listed``; None if none."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in sorted(files):
+            rel = (Path(root) / name).relative_to(folder).as_posix()
+            if not name.startswith(".") and rel not in listed:
+                return rel
+    return None
 
 
 def _copy(src: Path, dst: Path) -> None:
