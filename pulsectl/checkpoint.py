@@ -355,6 +355,14 @@ def _walk(root: Path, rel: tuple[str, ...], out: list[tuple[str, Path]]) -> None
             continue
         parts = (*rel, entry.name)
         path = Path(entry.path)
+        try:
+            entry.name.encode("utf-8")
+        except UnicodeEncodeError:  # a byte the file system's encoding could not decode
+            raise InputError(
+                f"{path}: file name is not valid UTF-8; a folder checkpoint's paths are UTF-8 "
+                "(its fingerprint and patches record them): rename it",
+                path=path,
+            ) from None
         if entry.is_symlink():
             if path.is_file():
                 out.append(("/".join(parts), path))

@@ -7,10 +7,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pulsectl._atomic import os_error
 from pulsectl.apply import apply_patches
 from pulsectl.diff import diff_to_path
+from pulsectl.errors import OutputError, UsageError
 from pulsectl.info import verify_checkpoint
-from pulsectl.synth import generate_chain
+from pulsectl.synth import PRESETS, generate_chain
 
 
 def run_demo(
@@ -20,9 +22,23 @@ def run_demo(
     lr: float = 3e-6,
     say: Callable[[str], None] = print,
 ) -> list[Path]:
-    """Run the demo; returns the patch paths. Works in a temp folder unless ``keep`` is given."""
+    """Run the demo; returns the patch paths. Works in a temp folder unless ``keep`` is given,
+    which must be a new or empty folder (the demo writes a chain, patches and a rebuilt
+    checkpoint there, and replaces no file of the user's)."""
+    if shape not in PRESETS:
+        raise UsageError(f"--shape {shape!r}: choose one of {', '.join(PRESETS)}")
     if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
+        if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+            what = "is not a folder" if not keep.is_dir() else "is a folder that is not empty"
+            raise OutputError(
+                f"{keep}: {what}; give --keep a new or empty folder (the demo writes its chain, "
+                "patches and rebuilt checkpoint there)",
+                path=keep,
+            )
+        try:
+            keep.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, keep) from exc
         return _run(keep, shape, steps, lr, say)
     with tempfile.TemporaryDirectory(prefix="pulsectl-demo-") as tmp:
         return _run(Path(tmp), shape, steps, lr, say)

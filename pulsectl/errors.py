@@ -22,8 +22,11 @@ _ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
 def escape_controls(text: str) -> str:
     """``text`` with line breaks, escape sequences and other control characters shown as
     repr() shows them (``\\n``, ``\\x1b``): for names read from files (tensor names, file
-    names, a patch's writer string) before they reach a terminal or a line-based output."""
-    return text.translate(_ESCAPES)
+    names, a patch's writer string) before they reach a terminal or a line-based output.
+    A lone surrogate (a file name byte that is not UTF-8, as Python decodes it) is shown as
+    ``\udcff`` too: written as it is, it would fail on any UTF-8 stream."""
+    escaped = text.translate(_ESCAPES)
+    return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class PulseError(Exception):

@@ -577,3 +577,22 @@ def test_diff_and_apply_load_no_heavy_modules(pair: tuple[Path, Path, Path]) -> 
     )
     assert run.stdout.strip() == "[0, 0] []", run.stdout + run.stderr
     assert out.read_bytes() == b.read_bytes()
+
+
+def test_demo_keeps_to_a_new_or_empty_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--keep never replaces the user's files (the demo used to overwrite step_001.pulse and
+    the chain in a folder that had them); a bad --shape is a usage error."""
+    mine = tmp_path / "kd"
+    mine.mkdir()
+    (mine / "step_001.pulse").write_text("my notes")
+    assert main(["demo", "--keep", str(mine), "--shape", "tiny", "--steps", "1"]) == 1
+    assert "is a folder that is not empty" in capsys.readouterr().err
+    assert (mine / "step_001.pulse").read_text() == "my notes"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["demo", "--keep", str(afile), "--shape", "tiny"]) == 1
+    assert "is not a folder" in capsys.readouterr().err
+    assert main(["demo", "--shape", "bogus"]) == 2
+    assert "--shape 'bogus': choose one of tiny, small" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 import re
 import shutil
@@ -641,3 +642,34 @@ def test_a_stray_file_in_an_anchor_folder_is_named(tmp_path: Path) -> None:
     summary = pull(store, tmp_path / "x", step=3)  # the anchor's own step too
     assert summary.start == "anchor of step 0" and summary.patches == 3
     assert tree_bytes(tmp_path / "x") == tree_bytes(chain[3])
+
+
+def test_pull_and_the_publish_cache_stay_out_of_the_store(
+    published: Path, trainer_chain: list[Path], tmp_path: Path
+) -> None:
+    """A folder store's objects are never rewritten: pull's output and publish's cache (which
+    is rewritten at every publish) may not lie inside it."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    anchor = next((store / "anchors").glob("00000000-*"))
+    before = anchor.read_bytes()
+    with pytest.raises(UsageError, match="is inside the store"):
+        pull(store, anchor, step=1)  # it holds a step of the store: no -f would be asked
+    assert anchor.read_bytes() == before
+    with pytest.raises(UsageError, match="--cache .* is inside the store"):
+        publish(store, trainer_chain[0], options=PublishOptions(cache_dir=store / "steps"))
+    assert not (store / "steps" / "head.json").exists()
+
+
+def test_a_folder_with_a_non_utf8_name_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain = generate_chain(tmp_path / "hf", "tiny", steps=1, lr=3e-6, seed=5, shards=2)
+    bad = tmp_path / "bad"
+    shutil.copytree(chain[1], bad)
+    name = os.fsdecode(b"tok\xff.txt")
+    (bad / name).write_bytes(b"x")
+    for argv in (["hash", str(bad)], ["diff", str(chain[0]), str(bad), "-o", str(tmp_path / "p")]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "file name is not valid UTF-8" in err, err

@@ -14,10 +14,17 @@ def demo(
     ctx: typer.Context,
     keep: Annotated[
         Path | None,
-        typer.Option("--keep", metavar="DIR", help="Build the demo in this folder and keep it."),
+        typer.Option(
+            "--keep", metavar="DIR", help="Build the demo in this new or empty folder and keep it."
+        ),
     ] = None,
     shape: Annotated[
-        str, typer.Option("--shape", metavar="PRESET", help="Model preset: tiny, small.")
+        str,
+        typer.Option(
+            "--shape",
+            metavar="PRESET",
+            help="Model preset: tiny, small, qwen2.5-0.5b (~1 GB a step), qwen2.5-7b (~15 GB).",
+        ),
     ] = "small",
     steps: Annotated[
         int, typer.Option("--steps", metavar="N", min=1, max=50, help="Training steps.")

@@ -78,7 +78,7 @@ def default_cache_dir(store: Store) -> Path:
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
         base = (Path(xdg) if xdg else Path.home() / ".cache") / "pulsectl"
-    return base / "publish" / hashlib.sha256(store.ident.encode()).hexdigest()[:16]
+    return base / "publish" / hashlib.sha256(os.fsencode(store.ident)).hexdigest()[:16]
 
 
 def publish(
@@ -142,6 +142,13 @@ def publish(
             )
 
     cache = options.cache_dir or default_cache_dir(store)
+    if isinstance(store, _folder_type()) and cache.resolve().is_relative_to(
+        Path(store.url).resolve()
+    ):
+        raise UsageError(
+            f"--cache {cache}: is inside the store {store.url}, whose objects are never "
+            "rewritten (the cache is, at every publish): give a folder outside it"
+        )
     try:
         cache.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".work-", dir=cache))

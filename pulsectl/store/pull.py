@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from pulsectl._atomic import check_folder_target, check_target, install, os_error, remove
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import Checkpoint
-from pulsectl.errors import InputError, IntegrityError, OutputError
+from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError
 from pulsectl.hashing import checkpoint_fingerprint
 from pulsectl.inventory import fingerprint_of
 from pulsectl.store.base import (
@@ -90,6 +90,12 @@ def pull(
     out = Path(out)
     check_target(out, force=True)  # '-', a device or pipe, or a missing folder: refused
     check_folder_target(out, inputs)
+    for root in inputs:  # a folder store's objects are never rewritten, by pull least of all
+        if root.is_dir() and out.resolve().is_relative_to(root.resolve()):
+            raise UsageError(
+                f"{out}: is inside the store {root}, whose objects are never rewritten; write "
+                "the checkpoint outside it"
+            )
     if prefetch < 1:
         raise InputError(f"prefetch {prefetch}: give 1 or more")
     catalog = Catalog(store)
