@@ -19,6 +19,7 @@ from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, DiffSummary, diff_to_path
 from pulsectl.errors import OutputError, UsageError
 from pulsectl.format import MAGIC
+from pulsectl.sources import FileSource
 from pulsectl.stats import layer_index
 
 
@@ -80,7 +81,8 @@ def diff_blocks(
     earlier run to ``out``, may exist; with it, those of an earlier run that this one does not
     write are removed once the new ones are written (``say`` is told of each)."""
     options = options or DiffOptions()
-    names = [t.name for _, t in Checkpoint.open(new).tensors()]
+    target_ckpt = Checkpoint.open(new)
+    names = [t.name for _, t in target_ckpt.tensors()]
     groups = block_groups(names, n)
     paths = block_paths(Path(out), [label for label, _ in groups])
     stale = stale_blocks(Path(out), paths)
@@ -88,11 +90,22 @@ def diff_blocks(
         for path in [*paths, *stale]:
             if path.exists():
                 raise OutputError(f"{path}: output exists; pass -f to overwrite", path=path)
+    for path in paths:  # as diff_to_path checks it for paths (it is given open sources)
+        if path.exists() and path.resolve() in (Path(old).resolve(), Path(new).resolve()):
+            raise UsageError(f"{path} is an input of the diff; write the patch elsewhere")
     written = []
-    for path, (_, members) in zip(paths, groups, strict=True):
-        selected = dataclasses.replace(options, tensors=tuple(glob.escape(m) for m in members))
-        summary = diff_to_path(old, new, path, force=force, options=selected, durable=durable)
-        written.append((path, summary))
+    # Both checkpoints are opened, parsed and hashed once for all the patches (each patch
+    # still names every fingerprint of the base and of the target).
+    with (
+        FileSource(Checkpoint.open(old), remember_scans=True, name=str(old)) as base,
+        FileSource(target_ckpt, remember_scans=True, name=str(new)) as target,
+    ):
+        for path, (_, members) in zip(paths, groups, strict=True):
+            selected = dataclasses.replace(options, tensors=tuple(glob.escape(m) for m in members))
+            summary = diff_to_path(
+                base, target, path, force=force, options=selected, durable=durable
+            )
+            written.append((path, summary))
     for path in stale:
         path.unlink(missing_ok=True)
         if say is not None:

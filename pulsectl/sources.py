@@ -42,13 +42,27 @@ class Source(Protocol):
 
 
 class FileSource:
-    """A checkpoint on disk, its files opened once for pread and memory maps."""
+    """A checkpoint on disk, its files opened once for pread and memory maps.
 
-    def __init__(self, ckpt: Checkpoint) -> None:
+    With ``remember_scans``, ``scan`` hashes each file once and hands later calls the same
+    result: for several diffs over the same open files (``diff --blocks``), which must not
+    change while it is open. ``name`` (the path as the user gave it; the checkpoint's root by
+    default) is what ``str`` gives, for messages."""
+
+    def __init__(
+        self, ckpt: Checkpoint, *, remember_scans: bool = False, name: str | None = None
+    ) -> None:
         self.ckpt = ckpt
+        self.name = str(ckpt.root) if name is None else name
         self.layout = ckpt.layout
         self.files = ckpt.files
         self._fds: list[int] = []
+        self.scans: dict[int, tuple[FileRef, dict[str, str]]] | None = (
+            {} if remember_scans else None
+        )
+
+    def __str__(self) -> str:
+        return self.name
 
     def __enter__(self) -> FileSource:
         self.open()
@@ -107,7 +121,19 @@ def scan(
     """File fingerprint and, for a safetensors file, each tensor's fingerprint, in one pass.
 
     ``stop``, once set, ends the scan (``Stopped``) at its next chunk of a safetensors file.
+    A FileSource made with ``remember_scans`` is scanned once per file.
     """
+    scans = getattr(source, "scans", None)
+    if scans is None:
+        return _scan(source, index, stop)
+    if index not in scans:
+        scans[index] = _scan(source, index, stop)
+    return scans[index]
+
+
+def _scan(
+    source: Source, index: int, stop: threading.Event | None
+) -> tuple[FileRef, dict[str, str]]:
     entry = source.files[index]
     if isinstance(source, FileSource) and entry.header is not None:
         # Hashed while the CLI loaded (pulsectl._prehash hashes safetensors files only).

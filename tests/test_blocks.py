@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pulsectl.apply import apply_patches
 from pulsectl.blocks import block_groups, diff_blocks
+from pulsectl.checkpoint import Checkpoint
 from pulsectl.cli.app import main
 from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import IntegrityError, OutputError, UsageError
@@ -97,6 +99,41 @@ def test_blocks_select_by_name_without_fnmatch(tmp_path: Path, chain, monkeypatc
         ("model.layers.0.mlp.up.weight", "*down*"),
         ("model.norm.weight", "*.mlp.*"),
     ]
+
+
+def test_blocks_open_hash_and_parse_each_checkpoint_once(tmp_path: Path, chain, monkeypatch):
+    # --blocks N used to re-open, re-parse and re-hash OLD and NEW for every patch.
+    import pulsectl.sources as sources_mod
+
+    old, new = chain[0], chain[1]
+    opened: list[Path] = []
+    real_open = Checkpoint.__dict__["open"].__func__
+
+    def counting_open(cls: type[Checkpoint], path: str | Path) -> Checkpoint:
+        opened.append(Path(path))
+        return real_open(cls, path)
+
+    scans: list[tuple[str, int]] = []
+    real_scan = sources_mod._scan
+
+    def counting_scan(source, index, stop):
+        scans.append((str(source), index))
+        return real_scan(source, index, stop)
+
+    monkeypatch.setattr(Checkpoint, "open", classmethod(counting_open))
+    monkeypatch.setattr(sources_mod, "_scan", counting_scan)
+    written = diff_blocks(old, new, tmp_path / "s.pulse", 2, options=OPTIONS)
+    assert sorted(opened) == sorted([Path(old), Path(new)])
+    assert sorted(scans) == sorted(
+        {(str(old), i) for i in range(len(real_open(Checkpoint, old).files))}
+        | {(str(new), i) for i in range(len(real_open(Checkpoint, new).files))}
+    )
+    # the same bytes as one diff per block, each opening and hashing both on its own
+    groups = block_groups([t.name for _, t in real_open(Checkpoint, new).tensors()], 2)
+    for (path, _), (_, members) in zip(written, groups, strict=True):
+        alone = tmp_path / f"alone.{path.name}"
+        diff_to_path(old, new, alone, options=replace(OPTIONS, tensors=tuple(members)))
+        assert path.read_bytes() == alone.read_bytes()
 
 
 @pytest.mark.parametrize(
