@@ -32,7 +32,7 @@ from pulsectl._atomic import (
     temp_path,
 )
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
-from pulsectl.checkpoint import Checkpoint, TensorInfo
+from pulsectl.checkpoint import Checkpoint, SafetensorsHeader, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves, patch_in_place
 from pulsectl.codecs._bits import add_moves
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
@@ -70,6 +70,23 @@ class ApplySummary:
 
 def read_header(reader: PatchReader) -> PatchHeader:
     return header_from_json(reader.header, reader.name)
+
+
+class _Headers:
+    """Each patch's header, validated once however often it is asked for; the safetensors
+    headers the patches store are parsed once for all (block patches of one update each store
+    the whole checkpoint's)."""
+
+    def __init__(self) -> None:
+        self._headers: dict[int, tuple[PatchReader, PatchHeader]] = {}
+        self._stored: dict[bytes, SafetensorsHeader] = {}
+
+    def __call__(self, reader: PatchReader) -> PatchHeader:
+        known = self._headers.get(id(reader))
+        if known is None or known[0] is not reader:
+            known = (reader, header_from_json(reader.header, reader.name, self._stored))
+            self._headers[id(reader)] = known
+        return known[1]
 
 
 def apply_patches(
@@ -130,12 +147,13 @@ def apply_patches(
             if isinstance(source, (str, Path)):
                 stack.callback(stream.close)
             opened.append((reader, source))
-        _check_chain(opened)
+        headers = _Headers()
+        _check_chain(opened, headers)
 
         current = Checkpoint.open(base_path)
         first = opened[0][0] or open_patch(opened[0][1], stdin)[0]
         opened[0] = (first, opened[0][1])
-        first_header = read_header(first)
+        first_header = headers(first)
         if current.layout != first_header.layout:
             raise IntegrityError(
                 f"{base_path}: wrong base for {first.name}: it is a "
@@ -169,15 +187,15 @@ def apply_patches(
 
         temps: list[Path] = []
         try:
-            for batch in _batches(opened, first_header):
+            for batch in _batches(opened, first_header, headers):
                 i = batch[0]
                 maybe_reader, source = opened[i]
                 reader = maybe_reader or open_patch(source, stdin)[0]
-                header = first_header if i == 0 else read_header(reader)
+                header = first_header if i == 0 else headers(reader)
                 parts = [(reader, header)]
                 if header.scope == "tensors":
                     # Block patches of disjoint tensors are applied together, in one pass.
-                    parts += [(r, read_header(r)) for r, _ in (opened[j] for j in batch[1:]) if r]
+                    parts += [(r, headers(r)) for r, _ in (opened[j] for j in batch[1:]) if r]
                     for r, h in parts:
                         if (r, h) != (first, first_header):
                             _check_block_base(h, current, base_path, r.name)
@@ -298,14 +316,16 @@ def _as_left_by(
 
 
 def _batches(
-    opened: list[tuple[PatchReader | None, PatchSource]], first_header: PatchHeader
+    opened: list[tuple[PatchReader | None, PatchSource]],
+    first_header: PatchHeader,
+    headers: Callable[[PatchReader], PatchHeader] = read_header,
 ) -> list[list[int]]:
     """Group runs of block patches (same layout, disjoint tensors) to apply in one pass."""
     batches: list[list[int]] = []
     names: set[str] = set()
     files: Any = None
     for i, (reader, _) in enumerate(opened):
-        header = first_header if i == 0 else (read_header(reader) if reader else None)
+        header = first_header if i == 0 else (headers(reader) if reader else None)
         if header is None or header.scope != "tensors":
             batches.append([i])
             files = None
@@ -321,7 +341,10 @@ def _batches(
     return batches
 
 
-def _check_chain(opened: list[tuple[PatchReader | None, PatchSource]]) -> None:
+def _check_chain(
+    opened: list[tuple[PatchReader | None, PatchSource]],
+    headers: Callable[[PatchReader], PatchHeader] = read_header,
+) -> None:
     """Before anything is written: each patch file's base must be its predecessor's target."""
     for (prev, _), (nxt, _) in zip(opened, opened[1:], strict=False):
         if prev is None or nxt is None:
@@ -339,7 +362,7 @@ def _check_chain(opened: list[tuple[PatchReader | None, PatchSource]]) -> None:
             if isinstance(trailer.get("target"), dict)
             else None
         )
-        expected = read_header(nxt).base_fingerprint
+        expected = headers(nxt).base_fingerprint
         if produced != expected:
             raise IntegrityError(
                 f"{nxt.name}: patch chain out of order: it expects base {expected}, but "

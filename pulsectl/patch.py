@@ -140,8 +140,13 @@ class PatchTrailer:
         }
 
 
-def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
-    """Validate a header's JSON and build the typed header; CorruptPatchError on any problem."""
+def header_from_json(
+    obj: dict[str, Any], name: str, parsed: dict[bytes, SafetensorsHeader] | None = None
+) -> PatchHeader:
+    """Validate a header's JSON and build the typed header; CorruptPatchError on any problem.
+
+    ``parsed``: stored safetensors headers already parsed (by raw bytes), added to as they are;
+    for several patches that store the same ones (block patches of one update)."""
     v = _Validator(name, "header")
     layout = v.choice(obj, "layout", ("file", "dir"))
     block_bytes = v.int_in(obj, "block_bytes", MIN_BLOCK_BYTES, MAX_BLOCK_BYTES)
@@ -152,7 +157,7 @@ def header_from_json(obj: dict[str, Any], name: str) -> PatchHeader:
     base_fp = v.fingerprint(base, "fingerprint")
     base_files = tuple(v.file_ref(f, layout) for f in v.list_(base, "files"))
     _check_paths(v, [f.path for f in base_files], layout)
-    files = tuple(_target_file(v, f, name) for f in v.list_(obj, "files"))
+    files = tuple(_target_file(v, f, name, parsed) for f in v.list_(obj, "files"))
     _check_paths(v, [f.path for f in files], layout)
     scope = v.choice(obj, "scope", ("checkpoint", "tensors")) if "scope" in obj else "checkpoint"
     raw_items = v.list_(obj, "items")
@@ -252,7 +257,9 @@ def trailer_from_json(obj: dict[str, Any], header: PatchHeader, name: str) -> Pa
     return PatchTrailer(target_fp, files, tuple(results), tuple(frames))
 
 
-def _target_file(v: _Validator, raw: Any, name: str) -> TargetFile:
+def _target_file(
+    v: _Validator, raw: Any, name: str, parsed: dict[bytes, SafetensorsHeader] | None = None
+) -> TargetFile:
     if not isinstance(raw, dict):
         v.fail("a target file is not an object")
     path = v.str_(raw, "path")
@@ -263,12 +270,16 @@ def _target_file(v: _Validator, raw: Any, name: str) -> TargetFile:
         header_raw = v.str_(raw, "header").encode("utf-8")
     except UnicodeEncodeError:
         v.fail(f"stored safetensors header of {path!r} is not valid text")
-    try:
-        # The data size is what the header itself implies; parse_header checks the tiling.
-        parsed = _parse_stored_header(header_raw, f"{name} ({path or 'target'})")
-    except FormatError as exc:
-        raise CorruptPatchError(f"{name}: stored safetensors header is invalid: {exc}") from exc
-    return TargetFile(path, "safetensors", parsed.file_size, parsed)
+    header = None if parsed is None else parsed.get(header_raw)
+    if header is None:
+        try:
+            # The data size is what the header itself implies; parse_header checks the tiling.
+            header = _parse_stored_header(header_raw, f"{name} ({path or 'target'})")
+        except FormatError as exc:
+            raise CorruptPatchError(f"{name}: stored safetensors header is invalid: {exc}") from exc
+        if parsed is not None:
+            parsed[header_raw] = header
+    return TargetFile(path, "safetensors", header.file_size, header)
 
 
 def _parse_stored_header(raw: bytes, label: str) -> SafetensorsHeader:

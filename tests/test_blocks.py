@@ -136,6 +136,38 @@ def test_blocks_open_hash_and_parse_each_checkpoint_once(tmp_path: Path, chain, 
         assert path.read_bytes() == alone.read_bytes()
 
 
+def test_applying_blocks_reads_each_header_once(tmp_path: Path, chain, monkeypatch):
+    # Each block patch stores the whole checkpoint's safetensors header: apply used to
+    # validate each patch header twice (grouping the patches, then applying them), parsing
+    # that stored header each time.
+    import pulsectl.apply as apply_mod
+    import pulsectl.patch as patch_mod
+
+    old, new = chain[0], chain[1]
+    written = diff_blocks(old, new, tmp_path / "s.pulse", 2, options=OPTIONS)
+    headers: list[str] = []
+    real_header = apply_mod.header_from_json
+
+    def counting_header(obj, name, *parsed):
+        headers.append(name)
+        return real_header(obj, name, *parsed)
+
+    stored: list[bytes] = []
+    real_stored = patch_mod._parse_stored_header
+
+    def counting_stored(raw: bytes, label: str):
+        stored.append(raw)
+        return real_stored(raw, label)
+
+    monkeypatch.setattr(apply_mod, "header_from_json", counting_header)
+    monkeypatch.setattr(patch_mod, "_parse_stored_header", counting_stored)
+    out = tmp_path / "out.safetensors"
+    apply_patches(old, [p for p, _ in written], out)
+    assert out.read_bytes() == new.read_bytes()
+    assert sorted(headers) == sorted(str(p) for p, _ in written)  # each header once
+    assert len(stored) == len(set(stored)) > 0  # each stored safetensors header once
+
+
 @pytest.mark.parametrize(
     "name", ["plain.weight", "a*b", "a?b", "a[0]b", "a[b", "[*]", "a]b", "a\\*b", "*", "[!x]"]
 )
