@@ -596,3 +596,20 @@ def test_demo_keeps_to_a_new_or_empty_folder(
     assert "is not a folder" in capsys.readouterr().err
     assert main(["demo", "--shape", "bogus"]) == 2
     assert "--shape 'bogus': choose one of tiny, small" in capsys.readouterr().err
+
+
+def test_an_empty_argument_is_a_usage_error(
+    pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Path("") is the current folder: `hash "$CKPT"` with CKPT unset read the whole working
+    folder as a checkpoint; `apply "" P -o x` likewise."""
+    a, _, p = pair
+    for argv in (
+        ["hash", ""],
+        ["apply", "", str(p), "-o", str(tmp_path / "x")],
+        ["diff", str(a), ""],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pulsectl: error: argument ") and "is empty (an unset shell" in err
+    assert not (tmp_path / "x").exists()

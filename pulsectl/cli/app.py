@@ -26,7 +26,7 @@ from pulsectl.cli import squash as squash_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import GuardedStdout, Output
-from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError, escape_controls
+from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError, UsageError, escape_controls
 
 EXIT_INTERRUPTED = 130
 
@@ -136,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: list[str]) -> int:
     code = 0
     try:
+        if "" in args:
+            # Path("") is the current folder: `pulsectl hash "$CKPT"` with CKPT unset would
+            # read the whole folder as a checkpoint. No argument of pulsectl is empty.
+            raise UsageError(
+                f"argument {args.index('') + 1} is empty (an unset shell variable?); give a "
+                "path or a value"
+            )
         result = app(args=args, prog_name="pulsectl", standalone_mode=False)
         code = result if isinstance(result, int) else 0
         if code == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into a silent Exit(130)
