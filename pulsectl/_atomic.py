@@ -30,9 +30,8 @@ INTERRUPTS = tuple(
 
 def check_target(path: Path, force: bool, what: str = "output") -> None:
     """Refuse to clobber an existing path (but an empty folder) unless ``force``; refuse a
-    missing folder, and a
-    device, pipe or socket (an output is renamed into place: it would replace the node), and
-    '-', which means standard output to the commands that can stream."""
+    missing parent folder, a device, pipe or socket (an output is renamed into place: it would
+    replace the node), and '-', which means standard output to the commands that stream."""
     if str(path) == "-":
         raise UsageError(
             f"-o -: this command writes its {what} as a file, not to standard output; give a "
@@ -83,8 +82,15 @@ def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
                 "output to another folder",
                 path=path,
             )
-    visible = list(_visible_files(path))
-    if visible and not any(e.parent == path and e.name.endswith(".safetensors") for e in visible):
+    try:
+        with os.scandir(path) as entries:
+            checkpoint = any(
+                e.name.endswith(".safetensors") and not e.name.startswith(".") and e.is_file()
+                for e in entries
+            )
+    except OSError:  # unreadable: the replacement itself will say why it cannot go on
+        checkpoint = True
+    if not checkpoint and _holds_visible_file(path):
         raise OutputError(
             f"{path}: is a folder of other files (no .safetensors file at its top); an output "
             "folder is replaced whole: give a new or empty folder, or remove this one first",
@@ -100,13 +106,14 @@ def _empty(folder: Path) -> bool:
         return False
 
 
-def _visible_files(folder: Path) -> Iterator[Path]:
-    """The files below ``folder`` that a folder checkpoint holds (no hidden path component)."""
-    for root, dirs, files in os.walk(folder):
+def _holds_visible_file(folder: Path) -> bool:
+    """Whether ``folder`` holds a file that a folder checkpoint would hold (no hidden path
+    component)."""
+    for _, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in files:
-            if not name.startswith("."):
-                yield Path(root) / name
+        if any(not name.startswith(".") for name in files):
+            return True
+    return False
 
 
 @contextlib.contextmanager

@@ -78,15 +78,13 @@ class _Headers:
     the whole checkpoint's)."""
 
     def __init__(self) -> None:
-        self._headers: dict[int, tuple[PatchReader, PatchHeader]] = {}
+        self._headers: dict[PatchReader, PatchHeader] = {}  # readers hash by identity
         self._stored: dict[bytes, SafetensorsHeader] = {}
 
     def __call__(self, reader: PatchReader) -> PatchHeader:
-        known = self._headers.get(id(reader))
-        if known is None or known[0] is not reader:
-            known = (reader, header_from_json(reader.header, reader.name, self._stored))
-            self._headers[id(reader)] = known
-        return known[1]
+        if reader not in self._headers:
+            self._headers[reader] = header_from_json(reader.header, reader.name, self._stored)
+        return self._headers[reader]
 
 
 def apply_patches(
@@ -128,7 +126,6 @@ def apply_patches(
         if out is None:
             raise UsageError("give -o OUT, or --in-place to update BASE")
         out_path = Path(out)
-        check_target(out_path, force=True)  # '-', a device or pipe: refused before any work
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
         if not out_path.is_dir():  # a folder is checked once the patch says what it makes
