@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pulsectl.checkpoint import Checkpoint
-from pulsectl.diff import DiffOptions, DiffSummary, diff_to_path
+from pulsectl.diff import DiffOptions, DiffSummary, diff_to_path, refuse_input_as_output
 from pulsectl.errors import OutputError, UsageError
 from pulsectl.format import MAGIC
 from pulsectl.sources import FileSource
@@ -90,9 +90,8 @@ def diff_blocks(
         for path in [*paths, *stale]:
             if path.exists():
                 raise OutputError(f"{path}: output exists; pass -f to overwrite", path=path)
-    for path in paths:  # as diff_to_path checks it for paths (it is given open sources)
-        if path.exists() and path.resolve() in (Path(old).resolve(), Path(new).resolve()):
-            raise UsageError(f"{path} is an input of the diff; write the patch elsewhere")
+    for path in paths:  # every one before the first is written
+        refuse_input_as_output(path, (old, new))
     written = []
     # Both checkpoints are opened, parsed and hashed once for all the patches (each patch
     # still names every fingerprint of the base and of the target).

@@ -138,16 +138,19 @@ def diff_to_path(
 ) -> DiffSummary:
     """Write the patch from ``old`` to ``new`` to ``out`` atomically (fsynced if ``durable``)."""
     out = Path(out)
-    for source in (old, new):
-        if (
-            isinstance(source, (str, Path))
-            and out.exists()
-            and Path(source).exists()
-            and (out.resolve() == Path(source).resolve())
-        ):
-            raise UsageError(f"{out} is an input of the diff; write the patch elsewhere")
+    refuse_input_as_output(out, (old, new))
     with atomic_file(out, force, durable) as f:
         return diff_checkpoints(old, new, f, options=options, progress=progress)
+
+
+def refuse_input_as_output(out: Path, inputs: tuple[str | Path | Source, ...]) -> None:
+    """UsageError when ``out`` is the file (or folder) of one of the diff's inputs."""
+    for source in inputs:
+        where = source.ckpt.root if isinstance(source, FileSource) else source
+        if not isinstance(where, (str, Path)):
+            continue  # a state dict or other source has no path
+        if out.exists() and Path(where).exists() and out.resolve() == Path(where).resolve():
+            raise UsageError(f"{out} is an input of the diff; write the patch elsewhere")
 
 
 def diff_checkpoints(
