@@ -660,23 +660,15 @@ def _check_distinct(roles: Sequence[tuple[str, Path, bool]]) -> None:
 def _check_once(patches: Sequence[Path]) -> None:
     """Refuse a patch file given twice to reduce (by path, symlink or hard link); equal bytes
     in two files are not looked for (two trainers may send the same values)."""
-    by_path: dict[Path, int] = {}
-    by_inode: dict[tuple[int, int], int] = {}
+    ids = [_file_id(path) for path in patches]
     for k, path in enumerate(patches):
-        resolved, inode = _file_id(path)
-        first = by_path.get(resolved) if resolved is not None else None
-        if first is None and inode is not None:
-            first = by_inode.get(inode)
-        if first is not None:
-            raise UsageError(
-                f"patch {k + 1} {path} is the same file as patch {first + 1} {patches[first]}: "
-                "the same update twice would count one trainer twice; give each trainer's "
-                "patch once"
-            )
-        if resolved is not None:
-            by_path[resolved] = k
-        if inode is not None:
-            by_inode[inode] = k
+        for first in range(k):
+            if _same_file(ids[first], ids[k]):
+                raise UsageError(
+                    f"patch {k + 1} {path} is the same file as patch {first + 1} "
+                    f"{patches[first]}: the same update twice would count one trainer twice; "
+                    "give each trainer's patch once"
+                )
 
 
 def _f32(x: np.ndarray, name: str) -> np.ndarray:
