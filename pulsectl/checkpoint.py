@@ -342,6 +342,15 @@ class FileEntry:
     header: SafetensorsHeader | None  # None for blobs (config.json, tokenizer, ...)
 
 
+def folder_files(root: Path) -> list[tuple[str, Path]]:
+    """(relpath, path) of the files a folder checkpoint at ``root`` holds: regular files and
+    links to files, no path component starting with '.'; InputError for a broken link or a
+    name that is not UTF-8."""
+    found: list[tuple[str, Path]] = []
+    _walk(root, (), found)
+    return found
+
+
 def _walk(root: Path, rel: tuple[str, ...], out: list[tuple[str, Path]]) -> None:
     """Collect (relpath, path) of regular files and links to files; skip dot-names."""
     folder = root.joinpath(*rel)
@@ -404,8 +413,7 @@ class Checkpoint:
             return cls("file", root, (FileEntry("", root, header.file_size, header),))
         if not root.is_dir():
             raise InputError(f"{root}: not a regular file or directory", path=root)
-        found: list[tuple[str, Path]] = []
-        _walk(root, (), found)
+        found = folder_files(root)
         if not found:
             raise InputError(f"{root}: directory has no files; nothing to read", path=root)
         entries = []

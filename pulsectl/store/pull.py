@@ -9,7 +9,6 @@ plan: walk back from the target step along its patches to a local copy of a step
 
 from __future__ import annotations
 
-import os
 import queue
 import shutil
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 from pulsectl._atomic import check_folder_target, check_target, install, os_error, remove
 from pulsectl.apply import apply_patches
-from pulsectl.checkpoint import Checkpoint
+from pulsectl.checkpoint import Checkpoint, folder_files
 from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError
 from pulsectl.hashing import checkpoint_fingerprint
 from pulsectl.inventory import fingerprint_of
@@ -356,12 +355,16 @@ def _execute(
                 # A folder store's anchor folder is read in place: a file its manifest does not
                 # list would become part of the checkpoint (and every patch after it would
                 # refuse it as a base). Name the anchor, not the patches.
-                extra = _unlisted(current, {f.path for f in anchor})
+                in_manifest = {f.path for f in anchor}
+                try:
+                    extra = [rel for rel, _ in folder_files(current) if rel not in in_manifest]
+                except InputError as exc:
+                    raise _Broken(first.key, f"step {plan.start.step}: {exc.message}") from exc
                 if extra:
                     raise _Broken(
                         first.key,
-                        f"step {plan.start.step}: its anchor folder {current} holds {extra!r}, "
-                        "which its manifest does not list",
+                        f"step {plan.start.step}: its anchor folder {current} holds "
+                        f"{extra[0]!r}, which its manifest does not list",
                     )
         else:
             current = plan.local
@@ -418,17 +421,6 @@ def _describe(plan: _Plan, out: Path) -> str:
         else f"the anchor of step {plan.start.step}"
     )
     return f"step {last}: from {start}, {len(plan.patches)} patch(es), {plan.cost:,} bytes to fetch"
-
-
-def _unlisted(folder: Path, listed: set[str]) -> str | None:
-    """A visible file below ``folder`` (relative path) that is not in ``listed``; None if none."""
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in sorted(files):
-            rel = (Path(root) / name).relative_to(folder).as_posix()
-            if not name.startswith(".") and rel not in listed:
-                return rel
-    return None
 
 
 def _copy(src: Path, dst: Path) -> None:
