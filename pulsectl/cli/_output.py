@@ -99,32 +99,12 @@ def smaller_than(patch_bytes: int, whole_bytes: int, whole: str = "the target") 
 def binary_stdout() -> Any:
     """stdout for binary data; refuses a closed stdout, and a terminal like zstd does."""
     stream = sys.stdout
-    if isinstance(stream, GuardedStdout):
-        stream = stream.stream
-    if stream is None:
+    guard = stream if isinstance(stream, GuardedStdout) else GuardedStdout(stream)
+    if guard.stream is None:
         raise stdout_closed("give -o PATCH, or redirect stdout to a file or a pipe")
-    if stream.isatty():
+    if guard.stream.isatty():
         raise UsageError("refusing to write a binary patch to a terminal; use -o FILE or a pipe")
-    return _PipeWriter(stream.buffer)
-
-
-class _PipeWriter:
-    """A binary stdout whose reader may go away (`pulsectl diff a b | head -c 100`)."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-
-    def write(self, data: bytes | memoryview) -> int:
-        try:
-            return int(self._raw.write(data))
-        except OSError as exc:
-            raise stdout_failed(exc, "the patch") from exc
-
-    def flush(self) -> None:
-        try:
-            self._raw.flush()
-        except OSError as exc:
-            raise stdout_failed(exc, "the patch") from exc
+    return _GuardedBuffer(guard, "the patch")
 
 
 class GuardedStdout:
@@ -184,8 +164,8 @@ class GuardedStdout:
         if self.failed is not None:
             raise self.failed
 
-    def _failed(self, exc: OSError) -> OutputError:
-        self.failed = stdout_failed(exc, "the output")
+    def _failed(self, exc: OSError, what: str = "the output") -> OutputError:
+        self.failed = stdout_failed(exc, what)
         return self.failed
 
     def writable(self) -> bool:
@@ -201,10 +181,12 @@ class GuardedStdout:
 
 
 class _GuardedBuffer:
-    """``GuardedStdout.buffer``: the binary stdout, guarded the same way."""
+    """``GuardedStdout.buffer``: the binary stdout, guarded the same way (``what`` is written
+    there, for the error: a patch, or the output)."""
 
-    def __init__(self, text: GuardedStdout) -> None:
+    def __init__(self, text: GuardedStdout, what: str = "the output") -> None:
         self._text = text
+        self._what = what
         self._raw = getattr(text.stream, "buffer", None)
 
     def __getattr__(self, name: str) -> Any:
@@ -219,7 +201,7 @@ class _GuardedBuffer:
         try:
             return int(self._raw.write(data))
         except OSError as exc:
-            raise self._text._failed(exc) from exc
+            raise self._text._failed(exc, self._what) from exc
 
     def flush(self) -> None:
         if self._raw is None:
@@ -228,7 +210,7 @@ class _GuardedBuffer:
         try:
             self._raw.flush()
         except OSError as exc:
-            raise self._text._failed(exc) from exc
+            raise self._text._failed(exc, self._what) from exc
 
 
 def stdout_failed(exc: OSError, what: str) -> OutputError:
