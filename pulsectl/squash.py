@@ -338,11 +338,9 @@ def _squash_with_base(
     from pulsectl.apply import apply_patches
     from pulsectl.diff import diff_checkpoints, diff_to_path
 
-    # The chain's target is rebuilt beside the output (or in $TMPDIR for a stream).
-    near = None
-    if isinstance(out, Path):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        near = out.parent
+    # The chain's target is rebuilt beside the output (or in $TMPDIR for a stream); the
+    # output's folder exists: squash_patches checked it first.
+    near = out.parent if isinstance(out, Path) else None
     with tempfile.TemporaryDirectory(prefix=".pulsectl-squash-", dir=near) as tmp:
         target = Path(tmp) / "target"
         apply_patches(base, list(patches), target)
