@@ -613,3 +613,22 @@ def test_an_empty_argument_is_a_usage_error(
         err = capsys.readouterr().err
         assert err.startswith("pulsectl: error: argument ") and "is empty (an unset shell" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_interrupt_turned_into_another_error_is_still_an_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C that lands inside an import comes out as that module's ImportError (numpy:
+    "... failed to import", seen once in CI for test_prehash's interrupted diff): it is an
+    interrupt, exit 130, not an internal error."""
+    import pulsectl.cli.app as app_module
+
+    def interrupted_import(*args: object, **kwargs: object) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("numpy._core.multiarray failed to import") from None
+
+    monkeypatch.setattr(app_module, "app", interrupted_import)
+    assert main(["hash", "x"]) == 130
+    assert capsys.readouterr().err == "pulsectl: error: interrupted; no output was written\n"

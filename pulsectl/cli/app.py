@@ -169,13 +169,18 @@ def _main(args: list[str]) -> int:
     except MemoryError:
         sys.stderr.write("pulsectl: error: out of memory\n")
         code = EXIT_ERROR
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.write(
-            "pulsectl: error: internal error (a bug in pulsectl); please report it with the "
-            "traceback above\n"
-        )
-        code = EXIT_ERROR
+    except Exception as exc:
+        if _interrupted(exc):
+            # Ctrl-C inside an import: numpy, say, turns it into an ImportError of its own.
+            sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
+            code = EXIT_INTERRUPTED
+        else:
+            traceback.print_exc()
+            sys.stderr.write(
+                "pulsectl: error: internal error (a bug in pulsectl); please report it with the "
+                "traceback above\n"
+            )
+            code = EXIT_ERROR
     try:
         sys.stdout.flush()  # what is left in the buffer (click's --help)
     except PulseError as exc:  # one line for the first error only
@@ -199,6 +204,18 @@ def _parser_error(exc: typer.TyperException) -> str:
     if ctx is not None and ctx.command.get_help_option(ctx) is not None:
         return f"{text}; try '{ctx.command_path} {ctx.help_option_names[0]}' for help"
     return f"{text}; try 'pulsectl -h' for help"
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was being handled (or from one)."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, KeyboardInterrupt):
+            return True
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return False
 
 
 def run() -> None:
