@@ -361,7 +361,9 @@ def apply_patch(
     ``load_file``'s dict, and refuses, before any write, a module's state dict (one made by
     ``model.state_dict()``, or holding ``nn.Parameter`` entries): the module would silently keep
     its old tensors. ``replace=True`` changes the mapping anyway (a module's parameters are then
-    not touched); ``replace=False`` refuses such a patch for any mapping.
+    not touched); ``replace=False`` refuses such a patch for any mapping. An entry the target
+    lacks that is the same view as a tensor patched in place (a tied head that ``save_model``
+    wrote once) follows it: kept where the mapping may not change, not refused.
 
     >>> apply_patch(model.state_dict(), patch_bytes)  # doctest: +SKIP
     """
@@ -415,7 +417,11 @@ def apply_patch(
                 actual=got,
             )
 
-    _check_entries(state, header.items, targets, name, replace)
+    # Tied entries that a deduplicating writer left out of the file (save_model and HF
+    # save_pretrained keep a tied output weight once): they follow their twin's in-place writes.
+    carried_whole = {item.name for item in header.items if item.base_name is None}
+    followers = _tied_followers(state, targets, carried_whole)
+    keep_followers = _check_entries(state, header.items, targets, name, replace, followers)
 
     # 2. Decode and verify everything on the host; nothing is touched yet.
     bb = header.block_bytes
@@ -508,8 +514,35 @@ def apply_patch(
                 memory.device
             )
     for key in [k for k in state if k not in targets]:
-        del state[key]
+        if not (keep_followers and key in followers):
+            del state[key]
     return trailer.target_fingerprint
+
+
+def _tied_followers(
+    state: Mapping[str, torch.Tensor],
+    targets: Mapping[str, TensorInfo],
+    carried_whole: Collection[str | None],
+) -> dict[str, str]:
+    """Entries of ``state`` the target does not have that are the same view of the same memory
+    as an entry it patches in place (``{follower: twin}``): a tied output weight that
+    ``save_model`` or ``save_pretrained`` wrote once, under its twin's name. Writing the twin
+    updates them; removing them from a module's state dict would change nothing."""
+    views: dict[tuple[Any, ...], str] = {}
+    for key, t in state.items():
+        if key in targets and key not in carried_whole and t.numel():
+            views.setdefault(_view_key(t), key)
+    out: dict[str, str] = {}
+    for key, t in state.items():
+        if key not in targets and t.numel():
+            twin = views.get(_view_key(t))
+            if twin is not None:
+                out[key] = twin
+    return out
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _check_entries(
@@ -518,18 +551,23 @@ def _check_entries(
     targets: Mapping[str, TensorInfo],
     patch_name: str,
     replace: bool | None,
-) -> None:
+    followers: Collection[str] = (),
+) -> bool:
     """Refuse, before anything is written, a patch that must add, remove or replace entries of
-    ``state`` when ``replace`` says no (see apply_patch)."""
+    ``state`` when ``replace`` says no (see apply_patch). Tied ``followers`` of a tensor patched
+    in place are not counted as removed; returns whether to keep them in ``state`` (the mapping
+    may not change: a module's, or ``replace=False``)."""
     replaced = [item.name for item in items if item.base_name is None and item.name is not None]
-    removed = [key for key in state if key not in targets]
-    if not (replaced or removed) or replace is True:
-        return
+    removed = [key for key in state if key not in targets and key not in followers]
+    if replace is True:
+        return False
     module = getattr(state, "_metadata", None) is not None or any(
-        isinstance(state.get(key), torch.nn.Parameter) for key in (*replaced, *removed)
+        isinstance(state.get(key), torch.nn.Parameter) for key in (*replaced, *removed, *followers)
     )
     if replace is None and not module:
-        return
+        return False
+    if not (replaced or removed):
+        return True
     if replaced:
         key = replaced[0]
         info = targets[key]

@@ -432,6 +432,53 @@ def test_apply_patch_writes_tied_tensors_that_change_together():
     assert _same(live, new)
 
 
+def test_a_patch_between_deduplicated_files_applies_to_a_tied_module(tmp_path: Path):
+    """save_model (and HF save_pretrained) write a tied output weight once: the files have
+    embed.weight but no head.weight. A patch between two such files, applied to the live tied
+    module's state_dict(), used to be refused as "removes tensor 'head.weight'" although the
+    module is patched completely by writing embed.weight in place. The tied entry is kept, it
+    follows the tensor it shares memory with; an entry that shares nothing is still refused."""
+    from safetensors.torch import save_model
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = torch.nn.LayerNorm(4)
+
+    torch.manual_seed(4)
+    trainer, worker = Tied(), Tied()
+    worker.load_state_dict(trainer.state_dict())
+    a, b, p = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse"
+    save_model(trainer, str(a))
+    with torch.no_grad():
+        trainer.embed.weight.add_(0.5)
+        trainer.norm.bias.add_(1.0)
+    save_model(trainer, str(b))
+    assert "head.weight" not in load_file(b)
+    with open(p, "wb") as f:
+        diff_checkpoints(a, b, f)
+    target = fingerprint_file(b)
+    assert apply_patch(worker.state_dict(), p) == target
+    assert worker.head.weight is worker.embed.weight
+    assert torch.equal(worker.embed.weight, trainer.embed.weight)
+    assert torch.equal(worker.norm.bias, trainer.norm.bias)
+    # A plain dict loaded from the file and given the alias by hand: becomes the file.
+    plain = load_file(a)
+    plain["head.weight"] = plain["embed.weight"]
+    assert apply_patch(plain, p) == target and "head.weight" not in plain
+    # An untied module (head has memory of its own): the removal is still refused.
+    untied = Tied()
+    untied.head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())
+    untied.load_state_dict(load_file(a), strict=False)
+    with torch.no_grad():
+        untied.head.weight.copy_(untied.embed.weight)
+    with pytest.raises(UsageError, match="removes tensor 'head.weight'"):
+        apply_patch(untied.state_dict(), p)
+
+
 def test_a_non_contiguous_tensor_is_made_contiguous_once_per_diff(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
