@@ -580,6 +580,21 @@ def _apply_parts(
     return computed_files, target_fp
 
 
+def _cast_target(header: PatchHeader, item: Item, base_info: TensorInfo | None) -> str | None:
+    """The ``--to`` name of the dtype ``item`` has in the patch when its base tensor is a float
+    of the same shape that ``pulsectl cast`` turns into it (the patch was made with
+    ``diff --as``, from the casts), else None."""
+    from pulsectl.cast import CAST_SOURCES, TARGETS
+
+    target = header.files[item.file].header
+    if base_info is None or target is None or base_info.dtype not in CAST_SOURCES:
+        return None
+    want = next((t for t in target.tensors if t.name == item.name), None)
+    if want is None or want.shape != base_info.shape or want.dtype == base_info.dtype:
+        return None
+    return next((name for name, dtype in TARGETS.items() if dtype == want.dtype), None)
+
+
 def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> list[_Step]:
     """Every write of the output, in file order, checked before anything is written."""
     first = parts[0][1]
@@ -593,6 +608,7 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
         reader, header = parts[p]
         item = header.items[index]
         start: int | None = None
+        info: TensorInfo | None = None
         if item.base_file is not None:
             if item.base_name is None:
                 found_size, start = base.files[item.base_file].size, 0
@@ -608,11 +624,18 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
                     )
                 found_size, start = info.nbytes, info.start
             if found_size != item.nbytes:
+                fix = "apply the patch to the checkpoint it was made from"
+                to = _cast_target(header, item, info)
+                if to is not None and info is not None:
+                    fix = (
+                        f"the base has it as {info.dtype}, the patch as {to.upper()}: a patch "
+                        f"made with 'diff --as {to}' applies to the cast ('pulsectl cast BASE "
+                        f"--to {to} -o ANCHOR', then apply it to ANCHOR)"
+                    )
                 raise IntegrityError(
                     f"{base.files[item.base_file].path}: wrong base for {reader.name}: "
                     f"{'tensor ' + repr(item.base_name) if item.base_name else 'the file'} has "
-                    f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; apply the "
-                    "patch to the checkpoint it was made from",
+                    f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; {fix}",
                     path=str(base.files[item.base_file].path),
                     tensor=item.base_name,
                 )

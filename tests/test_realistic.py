@@ -478,3 +478,33 @@ def test_hf_folder_cli_messages(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["hash", str(b), str(tmp_path / "out")]) == 0
     hashes = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
     assert len(hashes) == 1
+
+
+def test_as_bf16_patch_applied_to_the_fp32_master(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `diff --as bf16` patch applies to the BF16 cast, not to the FP32 master it was made
+    from. Applied to the master, the refusal used to say "apply the patch to the checkpoint it
+    was made from", which is what the user did; it now says to apply it to the cast."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    safetensors.torch.save_model(model, str(a), metadata={"format": "pt"})
+    _train_step(model, opt, _gen(12))
+    safetensors.torch.save_model(model, str(b), metadata={"format": "pt"})
+    p = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(a), str(b), "--as", "bf16", "-o", str(p)]) == 0
+    capsys.readouterr()
+    assert main(["apply", str(a), str(p), "-o", str(tmp_path / "out")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "F32" in err and "BF16" in err and "pulsectl cast" in err, err
+    assert not (tmp_path / "out").exists()
+    anchor, cast_b = tmp_path / "anchor.safetensors", tmp_path / "b16.safetensors"
+    assert main(["-q", "cast", str(a), "--to", "bf16", "-o", str(anchor)]) == 0
+    assert main(["-q", "cast", str(b), "--to", "bf16", "-o", str(cast_b)]) == 0
+    assert main(["-q", "apply", str(anchor), str(p), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out").read_bytes() == cast_b.read_bytes()
+    ids = safetensors.torch.load_file(tmp_path / "out")["position_ids"]
+    assert ids.dtype == torch.int64  # buffers are not cast
