@@ -433,9 +433,18 @@ class Checkpoint:
         for entry, info in self.tensors():
             if info.name in index:
                 first = index[info.name][0]
+                fix = "remove one copy"
+                if first.relpath.rpartition("/")[0] != entry.relpath.rpartition("/")[0]:
+                    # Most likely a pipeline of models (diffusers: text_encoder/ and
+                    # text_encoder_2/), whose tensor names repeat from model to model.
+                    fix = (
+                        "tensors are matched by name across a folder checkpoint, so a folder of "
+                        "several models is diffed and applied one model at a time: give each "
+                        "model's folder (e.g. A/text_encoder B/text_encoder)"
+                    )
                 raise FormatError(
                     f"{self.root}: tensor {info.name!r} is in both {first.relpath}"
-                    f" and {entry.relpath}; remove one copy",
+                    f" and {entry.relpath}; {fix}",
                     path=entry.path,
                     tensor=info.name,
                 )

@@ -508,3 +508,30 @@ def test_as_bf16_patch_applied_to_the_fp32_master(
     assert (tmp_path / "out").read_bytes() == cast_b.read_bytes()
     ids = safetensors.torch.load_file(tmp_path / "out")["position_ids"]
     assert ids.dtype == torch.int64  # buffers are not cast
+
+
+def test_diffusers_pipeline_with_same_names_in_two_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A diffusers pipeline folder holds several models whose tensors have the same names
+    (text_encoder/ and text_encoder_2/). pulsectl matches tensors by name across a folder, so
+    it refuses the folder; the message used to say "remove one copy" (of a model's weights).
+    It now says to diff each model's folder, which works."""
+    g = _gen(13)
+    root = tmp_path / "a"
+    for sub in ("text_encoder", "text_encoder_2"):
+        (root / sub).mkdir(parents=True)
+        clip = {"text_model.embeddings.position_embedding.weight": _bf16(77, 16, g=g)}
+        _save(root / sub / "model.safetensors", clip)
+        (root / sub / "config.json").write_text("{}")
+    (root / "unet").mkdir()
+    _save(root / "unet" / "diffusion_pytorch_model.safetensors", {"conv_in.weight": _bf16(8, g=g)})
+    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
+    b = shutil.copytree(root, tmp_path / "b")
+    assert main(["diff", str(root), str(b), "-o", str(tmp_path / "p.pulse")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "text_encoder/model.safetensors" in err and "text_encoder_2/model.safetensors" in err
+    assert "remove one copy" not in err and "each model's folder" in err, err
+    enc = "text_encoder_2"
+    _check(root / enc, b / enc, tmp_path)
