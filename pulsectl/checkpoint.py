@@ -139,6 +139,11 @@ def _other_format(prefix: bytes) -> str:
         return f"a pickle (an older torch.save .bin?), {torch_file}"
     if prefix.startswith(b"GGUF"):
         return "a GGUF file, not a safetensors file"
+    if prefix == b"version ":  # "version https://git-lfs.github.com/spec/v1"
+        return (
+            "a Git LFS pointer, not the file's content (a clone without git-lfs?); fetch the "
+            "weights with 'git lfs pull' or download them with huggingface_hub"
+        )
     return ""
 
 

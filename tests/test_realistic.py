@@ -535,3 +535,24 @@ def test_diffusers_pipeline_with_same_names_in_two_models(
     assert "remove one copy" not in err and "each model's folder" in err, err
     enc = "text_encoder_2"
     _check(root / enc, b / enc, tmp_path)
+
+
+def test_git_lfs_pointer_instead_of_a_shard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Hugging Face repo cloned without git-lfs holds ~130-byte pointer files where its
+    shards should be. They were refused as "header length 2336927755350992246 exceeds the
+    limit"; the message now says what the file is and how to get the weights."""
+    root = tmp_path / "clone"
+    root.mkdir()
+    (root / "model-00001-of-00002.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\n"
+        "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+        "size 4976698672\n"
+    )
+    (root / "config.json").write_text("{}")
+    assert main(["hash", str(root)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "model-00001-of-00002.safetensors: a Git LFS pointer" in err, err
+    assert "git lfs pull" in err, err
