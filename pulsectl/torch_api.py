@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -92,7 +92,11 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 class StateDictSource:
-    """A state dict as a pulsectl source: the single safetensors file it would be saved as."""
+    """A state dict as a pulsectl source: the single safetensors file it would be saved as.
+
+    Make it on the thread that queued work on the tensors: it waits for the work queued on
+    that thread's current CUDA streams, since the diff reads the tensors on other threads.
+    """
 
     layout: Literal["file", "dir"] = "file"
 
@@ -106,6 +110,7 @@ class StateDictSource:
             meta[name] = (TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape))
         raw, _ = build_header(meta, metadata)
         data = sum(_tensor_bytes_len(t) for t in tensors.values())
+        _wait_for_queued_work(tensors.values())
         header = parse_header(raw, 8 + len(raw) + data, "<state dict>")
         self.header: SafetensorsHeader = header
         self.files: tuple[FileEntry, ...] = (
@@ -163,6 +168,20 @@ class StateDictSource:
 
 def _tensor_bytes_len(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for the work the calling thread has queued on its current CUDA streams.
+
+    A source's tensors are read on other threads (the diff's workers, the thread that hashes
+    the base), and torch's current stream is per thread: there they are read on each device's
+    default stream, which does not wait for a stream the caller made current (``with
+    torch.cuda.stream(s):``, as a trainer that overlaps work does; torch's own streams do not
+    synchronise with the default stream). Without this a worker could read a tensor before the
+    kernels the caller queued have written it, and the patch would silently hold stale bytes.
+    """
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _options(level: Level, workers: int | None, *states: Mapping[str, torch.Tensor]) -> DiffOptions:
@@ -423,7 +442,10 @@ def apply_patch(
     followers = _tied_followers(state, targets, carried_whole)
     keep_followers = _check_entries(state, header.items, targets, name, replace, followers)
 
-    # 2. Decode and verify everything on the host; nothing is touched yet.
+    # 2. Decode and verify everything on the host; nothing is touched yet. The workers read
+    # the base tensors on their own threads, so on each device's default stream, not the
+    # caller's current one; step 1 read every one of them on the caller's stream with a
+    # blocking copy, so the work the caller queued on them is done.
     bb = header.block_bytes
     updates: list[_Update] = []
 
