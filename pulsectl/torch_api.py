@@ -73,6 +73,9 @@ SAFETENSORS_TO_TORCH = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
 _WORD_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_WORD = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _HASH_CHUNK = 64 * 1024 * 1024
+# Changed words written per indexed copy: bounds what apply_patch puts on the device besides
+# the tensors (32 MiB of index and up to 32 MiB of words).
+_SCATTER_WORDS = 1 << 22
 
 PatchData = bytes | bytearray | memoryview | str | Path | BinaryIO
 Level = int | Literal["max"]
@@ -366,12 +369,13 @@ def apply_patch(
     Nothing is modified unless every base tensor the patch reads has the fingerprint the patch
     expects, every decoded tensor has the fingerprint the patch promises and every write can be
     made: the changes are decoded and verified on the host first, then written into the tensors
-    (on their device) with an indexed copy. A tensor is patched by its logical row-major bytes
-    (what safetensors saves), so a non-contiguous one (channels_last, a transposed view) is
-    patched through its strides, keeping its layout; one whose elements share memory (an
-    expanded view) is refused. So is a write into memory another entry also spans (tied
-    weights, overlapping views), unless the two are the same view and the patch gives both
-    the same target fingerprint (a tied embedding and output weight changed together).
+    (on their device) with indexed copies of at most 4 Mi words each. A tensor is patched by
+    its logical row-major bytes (what safetensors saves), so a non-contiguous one
+    (channels_last, a transposed view) is patched through its strides, keeping its layout;
+    one whose elements share memory (an expanded view) is refused. So is a write into memory
+    another entry also spans (tied weights, overlapping views), unless the two are the same
+    view and the patch gives both the same target fingerprint (a tied embedding and output
+    weight changed together).
 
     A patch that adds a tensor, removes one or changes one's dtype or shape cannot be applied in
     place: it changes the mapping (tensors the target does not have are removed from ``state``;
@@ -532,9 +536,14 @@ def apply_patch(
             state[update.name] = new_t.to(device)
         elif update.name in writes:
             memory, index = writes[update.name]
-            memory[torch.from_numpy(index).to(memory.device)] = torch.from_numpy(update.words).to(
-                memory.device
-            )
+            # In slices: the index (8 bytes a word) and the words are copied to the device
+            # first, and a tensor whose every word changed would need five times its size
+            # (a BF16 one) there at once.
+            for lo in range(0, index.size, _SCATTER_WORDS):
+                where = torch.from_numpy(index[lo : lo + _SCATTER_WORDS]).to(memory.device)
+                memory[where] = torch.from_numpy(update.words[lo : lo + _SCATTER_WORDS]).to(
+                    memory.device
+                )
     for key in [k for k in state if k not in targets]:
         if not (keep_followers and key in followers):
             del state[key]

@@ -195,3 +195,21 @@ def test_file_diff_and_apply_with_device_cuda(tmp_path: Path, context: bool) -> 
     out = tmp_path / "out.safetensors"
     apply_patches(chain[0], [patch], out, device="cuda")
     assert out.read_bytes() == chain[2].read_bytes()
+
+
+@cuda
+def test_apply_patch_device_memory_stays_bounded() -> None:
+    """Every word of a 128 MiB BF16 tensor changes: its int64 index alone is 512 MiB. The
+    writes go in slices, so the device needs far less than the tensor besides it."""
+    base = torch.zeros(1 << 26, dtype=torch.bfloat16)
+    target = base.clone()
+    target.view(torch.int16)[:] += 1
+    patch = make_patch({"w": base}, {"w": target})
+    state = {"w": base.to("cuda")}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    apply_patch(state, patch)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 128 << 20
+    assert _bytes(state["w"]) == _bytes(target)

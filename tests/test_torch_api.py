@@ -504,3 +504,22 @@ def test_a_non_contiguous_tensor_is_made_contiguous_once_per_diff(
     state = {"w": old["w"].clone(memory_format=torch.channels_last)}
     apply_patch(state, patch)
     assert torch.equal(state["w"], new["w"])
+
+
+def test_apply_patch_writes_in_slices(monkeypatch) -> None:
+    """The changed words go to the device in slices of _SCATTER_WORDS (the index alone is four
+    times a BF16 tensor whose every word changed); slice edges fall anywhere, also in a tensor
+    patched through its strides."""
+    import pulsectl.torch_api as api
+
+    old = _state(3)
+    old["t"] = (torch.randn(96, 40) * 0.02).to(torch.bfloat16).t()  # non-contiguous
+    new = _step(old, 4, frac=0.3)
+    new["t"] = old["t"].clone()
+    new["t"].view(torch.int16)[::3, 1::2] += 1
+    patch = make_patch(old, new)
+    monkeypatch.setattr(api, "_SCATTER_WORDS", 7)
+    state = {k: v.clone() if v.is_contiguous() else v.t().clone().t() for k, v in old.items()}
+    apply_patch(state, patch)
+    assert _same(state, new)
+    assert state["t"].stride() == (1, 40)
