@@ -110,6 +110,7 @@ class StateDictSource:
         for name, t in tensors.items():
             if t.dtype not in TORCH_TO_SAFETENSORS:
                 raise UsageError(f"tensor {name!r}: dtype {t.dtype} has no safetensors dtype")
+            _require_data(name, t)
             meta[name] = (TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape))
         raw, _ = build_header(meta, metadata)
         data = sum(_tensor_bytes_len(t) for t in tensors.values())
@@ -171,6 +172,18 @@ class StateDictSource:
 
 def _tensor_bytes_len(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _require_data(name: str, t: torch.Tensor, patch_name: str | None = None) -> None:
+    """Refuse a tensor on the ``meta`` device (a model built without its weights, or one whose
+    weights are offloaded): it has a dtype and a shape but no bytes to read or write."""
+    if t.device.type == "meta":
+        where, end = (f"{patch_name}: ", "; nothing was changed") if patch_name else ("", "")
+        raise UsageError(
+            f"{where}tensor {name!r} is on the meta device: it has no data (a model made "
+            f"without its weights, or with them offloaded); load its weights first{end}",
+            tensor=name,
+        )
 
 
 def _wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
@@ -322,6 +335,8 @@ class Publisher:
         return result
 
     def _snapshot(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, t in state.items():
+            _require_data(name, t)
         if self.keep_on_device:
             return {k: v.detach().clone() for k, v in state.items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
@@ -380,13 +395,15 @@ def apply_patch(
     A patch that adds a tensor, removes one or changes one's dtype or shape cannot be applied in
     place: it changes the mapping (tensors the target does not have are removed from ``state``;
     new or replaced ones are put in it, on the device of the tensor they replace, or of the
-    first one). ``replace=None`` (the default) does that for a mapping of its own, such as
-    ``load_file``'s dict, and refuses, before any write, a module's state dict (one made by
-    ``model.state_dict()``, or holding ``nn.Parameter`` entries): the module would silently keep
-    its old tensors. ``replace=True`` changes the mapping anyway (a module's parameters are then
-    not touched); ``replace=False`` refuses such a patch for any mapping. An entry the target
-    lacks that is the same view as a tensor patched in place (a tied head that ``save_model``
-    wrote once) follows it: kept where the mapping may not change, not refused.
+    first one not on the meta device). ``replace=None`` (the default) does that for a mapping
+    of its own, such as ``load_file``'s dict, and refuses, before any write, a module's state
+    dict (one made by ``model.state_dict()``, or holding ``nn.Parameter`` entries): the module
+    would silently keep its old tensors. ``replace=True`` changes the mapping anyway (a
+    module's parameters are then not touched); ``replace=False`` refuses such a patch for any
+    mapping. A tensor on the meta device that the patch keeps or replaces is refused too: it
+    has no data. An entry the target lacks that is the same view as a tensor patched in place
+    (a tied head that ``save_model`` wrote once) follows it: kept where the mapping may not
+    change, not refused.
 
     >>> apply_patch(model.state_dict(), patch_bytes)  # doctest: +SKIP
     """
@@ -402,6 +419,9 @@ def apply_patch(
     tfile = header.files[0]
     assert tfile.header is not None
     targets = {t.name: t for t in tfile.header.tensors}
+    for key, entry in state.items():
+        if key in targets:  # an entry the patch removes is only deleted
+            _require_data(key, entry, name)
 
     # 1. The base: every tensor the patch reads must be there, with the expected bytes.
     for item in header.items:
@@ -521,7 +541,9 @@ def apply_patch(
     _check_aliases(name, state, kept, writes.keys(), promised_fps)
 
     # 4. Write.
-    default_device = next(iter(state.values())).device if state else torch.device("cpu")
+    default_device = next(
+        (t.device for t in state.values() if t.device.type != "meta"), torch.device("cpu")
+    )
     for update in updates:
         info = targets[update.name]
         if update.positions is None:

@@ -523,3 +523,27 @@ def test_apply_patch_writes_in_slices(monkeypatch) -> None:
     apply_patch(state, patch)
     assert _same(state, new)
     assert state["t"].stride() == (1, 40)
+
+
+def test_meta_tensors_are_refused_with_a_usage_error() -> None:
+    """A tensor on the meta device (a model made without its weights, or offloaded ones) has no
+    bytes: making or applying a patch says so instead of failing inside torch, and apply_patch
+    never puts a new tensor on the meta device."""
+    old, new = _state(5), _step(_state(5), 6)
+    meta = {k: v.to("meta") for k, v in old.items()}
+    with pytest.raises(UsageError, match="meta device"):
+        make_patch(meta, new)
+    with pytest.raises(UsageError, match="meta device"):
+        state_dict_fingerprint(meta)
+    with pytest.raises(UsageError, match="meta device"):
+        Publisher().anchor(meta)
+    patch = make_patch(old, new)
+    with pytest.raises(UsageError, match="'model.embed.weight' is on the meta device"):
+        apply_patch(dict(meta), patch)
+    # An entry the patch removes may be on the meta device; it was first, yet the tensor the
+    # patch adds goes on the CPU like the others, not on the meta device.
+    state = {"gone": torch.zeros(2, device="meta"), **{k: v.clone() for k, v in old.items()}}
+    added = dict(new, extra=torch.ones(3))
+    assert apply_patch(state, make_patch(old, added)) == state_dict_fingerprint(added)
+    assert "gone" not in state and state["extra"].device.type == "cpu"
+    assert _same(state, added)
