@@ -99,3 +99,27 @@ def test_report_leaves_out_ratios_to_a_slowed_reference(monkeypatch: pytest.Monk
     )
     assert report._verdict([1.2, 1.4], 1.5) == "**met** (2/2 pairs)"
     assert report._verdict([None], 1.5, unjudged=1) == "not measured (1 not judged ‡)"
+
+
+def test_gpu_benchmark_harness_runs_and_checks_on_the_host(tmp_path: Path) -> None:
+    """benchmarks/gpu.py, as it runs without a GPU (``--cpu`` on a machine with one): the
+    reference rows, their checks and the JSON."""
+    import json
+    import os
+
+    out = tmp_path / "gpu.json"
+    script = REPO / "benchmarks" / "gpu.py"
+    args = ["--cpu", "--shape", "tiny", "--density", "0.05", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(IMPORTED)},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "all checks passed" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["patch_bytes"] > 0
+    assert [r["what"] for r in result["rows"]] == ["host: state -> patch", "host: patch -> tensors"]
+    assert result["rows"][1]["exact"] and result["rows"][1]["fingerprint"]
