@@ -34,11 +34,18 @@ def resolve(spec: str) -> str | None:
         import torch
 
         return "cuda" if torch.cuda.is_available() else None
-    if spec.startswith("cuda"):
+    if spec == "cuda" or spec.startswith("cuda:"):
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError(f"--device {spec}: torch sees no CUDA device here; use cpu or auto")
+        index = spec[5:]
+        count = torch.cuda.device_count()
+        if spec != "cuda" and not (index.isdigit() and int(index) < count):
+            raise UsageError(
+                f"--device {spec}: torch sees {count} CUDA device(s) here, cuda:0 to "
+                f"cuda:{count - 1}"
+            )
         return spec
     raise UsageError(f"--device {spec!r}: give auto, cpu or cuda[:N]")
 

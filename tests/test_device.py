@@ -128,3 +128,17 @@ def test_apply_scatter_on_a_device_gives_the_same_bytes(chain, tmp_path: Path, c
         == 0
     )
     assert (tmp_path / "c.st").read_bytes() == chain[2].read_bytes()
+
+
+def test_resolve_checks_the_cuda_device_index(monkeypatch):
+    """A CUDA index the machine lacks (or a malformed one) is a usage error up front, not a
+    torch error from a worker thread in the middle of a diff."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve("cuda") == "cuda"
+    assert resolve("CUDA:1") == "cuda:1"
+    for spec in ("cuda:2", "cuda:x", "cuda:", "cuda:-1", "cudafoo"):
+        with pytest.raises(UsageError):
+            resolve(spec)
