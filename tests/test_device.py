@@ -1,7 +1,7 @@
 """--device: the torch change finder gives the same patch and statistics as the numpy path.
 
 CI has no GPU, so the torch path runs on the CPU here; on a CUDA machine the same code runs
-with device="cuda" (benchmarks/gpu.py).
+with device="cuda" (tests/test_cuda.py, benchmarks/gpu.py, benchmarks/gpu_check.sh).
 """
 
 from __future__ import annotations
