@@ -7,6 +7,7 @@ import ctypes
 import errno
 import functools
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -52,7 +53,16 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
         raise OutputError(f"{path}: {what} exists; pass -f to overwrite", path=path)
     parent = path.parent
     if not parent.is_dir():
-        raise OutputError(f"{path}: folder {parent} does not exist", path=path)
+        raise missing_folder(path)
+
+
+def missing_folder(path: Path) -> OutputError:
+    """The error for an output whose folder is missing: outputs never create folders."""
+    return OutputError(
+        f"{path}: folder {path.parent} does not exist; create it first "
+        f"(mkdir -p {shlex.quote(str(path.parent))})",
+        path=path,
+    )
 
 
 def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:

@@ -524,6 +524,24 @@ def test_errors_on_bad_inputs(
     assert not list(tmp_path.glob(TEMP_GLOB))
 
 
+def test_a_missing_output_folder_names_the_fix(
+    tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Outputs never create folders: the error says which one to create, and how."""
+    a, b, p = pair
+    out = tmp_path / "worker dir" / "model.safetensors"
+    for argv in (
+        ["apply", str(a), str(p), "-o", str(out)],
+        ["diff", str(a), str(b), "-o", str(out)],
+    ):
+        assert main(argv) == 1, argv
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: {out}: folder {out.parent} does not exist; create it first "
+            f"(mkdir -p '{out.parent}')"
+        )
+    assert not out.parent.exists()
+
+
 def test_an_empty_patch_file_is_called_empty(
     tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

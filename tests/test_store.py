@@ -185,6 +185,16 @@ def test_pull_refuses_foreign_output_without_force(published: Path, tmp_path: Pa
     pull(published, out, step=3, force=True)
 
 
+def test_pull_into_a_missing_folder_says_to_create_it(published: Path, tmp_path: Path) -> None:
+    out = tmp_path / "worker" / "model.safetensors"
+    with pytest.raises(OutputError) as err:
+        pull(published, out, step=3)
+    assert str(err.value) == (
+        f"{out}: folder {out.parent} does not exist; create it first (mkdir -p {out.parent})"
+    )
+    assert not out.parent.exists()
+
+
 def test_half_published_step_is_invisible(
     published: Path, trainer_chain: list[Path], tmp_path: Path
 ) -> None:

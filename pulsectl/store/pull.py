@@ -17,7 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from pulsectl._atomic import check_folder_target, check_target, install, os_error, remove
+from pulsectl._atomic import (
+    check_folder_target,
+    check_target,
+    install,
+    missing_folder,
+    os_error,
+    remove,
+)
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import Checkpoint, folder_files
 from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError
@@ -126,7 +133,7 @@ def pull(
                     f"{out}: exists and is not a checkpoint; pass -f to replace it", path=out
                 ) from None
     if not out.parent.is_dir():
-        raise OutputError(f"{out}: folder {out.parent} does not exist", path=out)
+        raise missing_folder(out)
     if local_fp == target.target_fingerprint:
         say(f"{out} is already step {target.step}")
         return PullSummary(out, target.step, local_fp, f"already at step {target.step}", 0, 0, ())
