@@ -658,22 +658,20 @@ def _window_task(
 
 
 def check_plot_target(path: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
-    """Refuse a plot path that exists (unless ``force``), is not a file, or is one of the
-    command's inputs (even with ``force``: the PNG would replace the checkpoint or patch)."""
+    """Before any work: refuse a plot path that is one of the command's inputs (even with
+    ``force``: the PNG would replace the checkpoint or patch), exists (unless ``force``) or is
+    not a file, and a missing matplotlib."""
     path = Path(path)
-    check_target(path, force, "plot")
     for item in inputs:
         same = str(item) != "-" and path.exists() and Path(item).exists()
         if same and os.path.samefile(path, item):
             raise UsageError(f"{path}: is an input of this command; write the plot elsewhere")
+    check_target(path, force, "plot")
+    _pyplot()
 
 
-def plot_stats(doc: dict[str, Any], path: str | Path, *, force: bool = False) -> None:
-    """Draw a `stats --json` document as a PNG: density per layer and kind, or versus k.
-    An existing file at ``path`` is replaced only with ``force``.
-
-    Needs matplotlib (``pip install 'pulsectl[plot]'``); imported only here.
-    """
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend; UsageError naming the extra when it is missing."""
     try:
         import matplotlib
 
@@ -681,8 +679,19 @@ def plot_stats(doc: dict[str, Any], path: str | Path, *, force: bool = False) ->
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError(
-            "--plot needs matplotlib; install it with: pip install 'pulsectl[plot]'"
+            "--plot needs matplotlib, which is not installed: pip install 'matplotlib>=3.7' "
+            "(the plot extra)"
         ) from None
+    return plt
+
+
+def plot_stats(doc: dict[str, Any], path: str | Path, *, force: bool = False) -> None:
+    """Draw a `stats --json` document as a PNG: density per layer and kind, or versus k.
+    An existing file at ``path`` is replaced only with ``force``.
+
+    Needs matplotlib (the ``plot`` extra); imported only here.
+    """
+    plt = _pyplot()
     if doc["source"] == "chain":
         fig, ax = plt.subplots(figsize=(6, 4))
         steps = [s for s in doc["steps"] if s["windows"]]

@@ -261,7 +261,15 @@ def test_plot_without_matplotlib(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code = main(["stats", str(chain[0]), str(chain[1]), "--plot", str(tmp_path / "x.png")])
     assert code == 2
-    assert "pip install 'pulsectl[plot]'" in capsys.readouterr().err
+    assert "pip install 'matplotlib>=3.7'" in capsys.readouterr().err
+    # Found before any work: not after minutes of counting, with the figures thrown away.
+    missing = tmp_path / "missing.safetensors"
+    code = main(["stats", str(chain[0]), str(missing), "--plot", str(tmp_path / "x.png")])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "pulsectl: error: --plot needs matplotlib, which is not installed: "
+        "pip install 'matplotlib>=3.7' (the plot extra)"
+    )
 
 
 def test_stats_patch_histogram_from_context_blocks(tmp_path):
@@ -334,6 +342,8 @@ def test_plot_never_replaces_an_input_and_needs_f_for_a_file(
     for target, extra, want in (
         (victim, [], "plot exists; pass -f to overwrite"),
         (new, ["-f"], "is an input of this command"),
+        # not "pass -f", which would then be refused too
+        (new, [], f"{new}: is an input of this command; write the plot elsewhere"),
     ):
         argv = ["stats", str(chain[0]), str(new), "--plot", str(target), *extra]
         assert main(argv) in (1, 2)

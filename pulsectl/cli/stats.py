@@ -48,7 +48,7 @@ def stats(
         typer.Option(
             "--plot",
             metavar="PNG",
-            help="Also draw the figures to this PNG (needs pulsectl[plot]).",
+            help="Also draw the figures to this PNG (needs matplotlib: the plot extra).",
         ),
     ] = None,
     top: Annotated[
