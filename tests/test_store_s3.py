@@ -196,11 +196,19 @@ def test_aws_cli_pipes(s3: dict[str, str], chain: list[Path], tmp_path: Path) ->
         shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
-def test_missing_boto3_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_boto3_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hint names the package itself: `pip install pulsectl[s3]` outside this project's
+    environment fetches an unrelated PyPI project of that name."""
     from pulsectl.cli.app import main
 
     monkeypatch.setitem(sys.modules, "boto3", None)
     assert main(["log", f"s3://{BUCKET}/x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pulsectl: error: s3:// stores need boto3, which is not installed: pip install "
+        "'boto3>=1.34' (the s3 extra), or pipe patches through `aws s3 cp - s3://...`"
+    )
 
 
 def test_a_manifest_is_created_once(s3: dict[str, str], chain: list[Path], tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A store under an ``s3://bucket/prefix`` URL, through boto3 (``pip install 'pulsectl[s3]'``).
+"""A store under an ``s3://bucket/prefix`` URL, through boto3 (the ``s3`` extra).
 
 boto3 reads the usual AWS settings: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE,
 AWS_DEFAULT_REGION, and AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) for S3-compatible servers.
@@ -27,8 +27,8 @@ def _boto3() -> Any:
         import boto3
     except ImportError:
         raise UsageError(
-            "s3:// stores need boto3, which is not installed: pip install 'pulsectl[s3]' "
-            "(or pipe patches through `aws s3 cp - s3://...`)"
+            "s3:// stores need boto3, which is not installed: pip install 'boto3>=1.34' (the s3 "
+            "extra), or pipe patches through `aws s3 cp - s3://...`"
         ) from None
     return boto3
 
