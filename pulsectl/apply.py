@@ -580,19 +580,34 @@ def _apply_parts(
     return computed_files, target_fp
 
 
-def _cast_target(header: PatchHeader, item: Item, base_info: TensorInfo | None) -> str | None:
-    """The ``--to`` name of the dtype ``item`` has in the patch when its base tensor is a float
-    of the same shape that ``pulsectl cast`` turns into it (the patch was made with
-    ``diff --as``, from the casts), else None."""
-    from pulsectl.cast import CAST_SOURCES, TARGETS
+def _other_dtype_hint(header: PatchHeader, item: Item, found: TensorInfo | None) -> str:
+    """The fix for a base tensor of the wrong size: the usual one, or, when the base has the
+    tensor in another float dtype than the patch (an FP32 master against its BF16 cast), which
+    `--as` or `cast` it takes."""
+    from pulsectl.cast import TARGETS as CAST_TARGETS
 
-    target = header.files[item.file].header
-    if base_info is None or target is None or base_info.dtype not in CAST_SOURCES:
-        return None
-    want = next((t for t in target.tensors if t.name == item.name), None)
-    if want is None or want.shape != base_info.shape or want.dtype == base_info.dtype:
-        return None
-    return next((name for name, dtype in TARGETS.items() if dtype == want.dtype), None)
+    usual = "apply the patch to the checkpoint it was made from"
+    stored = header.files[item.file].header
+    want = None
+    if found is not None and stored is not None:
+        want = next((t for t in stored.tensors if t.name == item.name), None)
+    if found is None or want is None or want.shape != found.shape:
+        return usual
+    narrow, wide = sorted((want, found), key=lambda t: t.word)
+    if narrow.dtype.lower() not in CAST_TARGETS or wide.dtype not in ("F32", "F64"):
+        return usual
+    to = narrow.dtype.lower()
+    if want is narrow:
+        how = (
+            f"the patch was made with --as {to}: apply it to the cast of the checkpoint it was "
+            f"made from (pulsectl cast CKPT --to {to})"
+        )
+    else:
+        how = (
+            f"the patch was made from {wide.dtype} checkpoints: to update their {narrow.dtype} "
+            f"cast, diff with --as {to} (or {usual})"
+        )
+    return f"it is {found.dtype} here, {want.dtype} in the patch; {how}"
 
 
 def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> list[_Step]:
@@ -608,7 +623,6 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
         reader, header = parts[p]
         item = header.items[index]
         start: int | None = None
-        info: TensorInfo | None = None
         if item.base_file is not None:
             if item.base_name is None:
                 found_size, start = base.files[item.base_file].size, 0
@@ -624,18 +638,14 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
                     )
                 found_size, start = info.nbytes, info.start
             if found_size != item.nbytes:
-                fix = "apply the patch to the checkpoint it was made from"
-                to = _cast_target(header, item, info)
-                if to is not None and info is not None:
-                    fix = (
-                        f"the base has it as {info.dtype}, the patch as {to.upper()}: a patch "
-                        f"made with 'diff --as {to}' applies to the cast ('pulsectl cast BASE "
-                        f"--to {to} -o ANCHOR', then apply it to ANCHOR)"
-                    )
+                found = None if item.base_name is None else base_tensors[item.base_file]
                 raise IntegrityError(
                     f"{base.files[item.base_file].path}: wrong base for {reader.name}: "
                     f"{'tensor ' + repr(item.base_name) if item.base_name else 'the file'} has "
-                    f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; {fix}",
+                    f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; "
+                    + _other_dtype_hint(
+                        header, item, found.get(item.base_name or "") if found else None
+                    ),
                     path=str(base.files[item.base_file].path),
                     tensor=item.base_name,
                 )

@@ -358,3 +358,37 @@ def test_a_block_waiting_for_a_cancelled_one_is_released() -> None:
     abandoned.set()
     waiter.join(5)
     assert not waiter.is_alive()
+
+
+def test_fp32_patch_and_bf16_base_mixed_up_name_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README's FP32-masters recipe, done wrong either way: the error says which of `--as` and
+    `cast` was missed, not only that the base is wrong."""
+    torch.manual_seed(0)
+    w0 = torch.randn(64, 32)
+    w1 = w0 + 1e-2 * torch.randn(64, 32)
+    f0, f1 = tmp_path / "m0.f32.safetensors", tmp_path / "m1.f32.safetensors"
+    save_file({"w": w0}, str(f0))
+    save_file({"w": w1}, str(f1))
+    anchor = tmp_path / "anchor.safetensors"
+    plain, cast = tmp_path / "plain.pulse", tmp_path / "cast.pulse"
+    assert main(["-q", "cast", str(f0), "--to", "bf16", "-o", str(anchor)]) == 0
+    assert main(["-q", "diff", str(f0), str(f1), "-o", str(plain)]) == 0
+    assert main(["-q", "diff", str(f0), str(f1), "--as", "bf16", "-o", str(cast)]) == 0
+    out = tmp_path / "out.safetensors"
+    assert main(["apply", str(anchor), str(plain), "-o", str(out)]) == 3
+    assert capsys.readouterr().err.strip() == (
+        f"pulsectl: error: {anchor}: wrong base for {plain}: tensor 'w' has 4,096 bytes, the "
+        "patch's base had 8,192; it is BF16 here, F32 in the patch; the patch was made from F32 "
+        "checkpoints: to update their BF16 cast, diff with --as bf16 (or apply the patch to the "
+        "checkpoint it was made from)"
+    )
+    assert main(["apply", str(f0), str(cast), "-o", str(out)]) == 3
+    assert capsys.readouterr().err.strip() == (
+        f"pulsectl: error: {f0}: wrong base for {cast}: tensor 'w' has 8,192 bytes, the patch's "
+        "base had 4,096; it is F32 here, BF16 in the patch; the patch was made with --as bf16: "
+        "apply it to the cast of the checkpoint it was made from (pulsectl cast CKPT --to bf16)"
+    )
+    assert not out.exists()
+    assert main(["-q", "apply", str(anchor), str(cast), "-o", str(out)]) == 0
