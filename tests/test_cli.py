@@ -88,7 +88,10 @@ def pair(chain: list[Path], tmp_path: Path) -> tuple[Path, Path, Path]:
 def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity" in " ".join(out.split())
+    assert (
+        "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity (wrong base, damaged patch, "
+        "fingerprint mismatch), 130 interrupted." in " ".join(out.split())
+    )
     for command in ("diff", "apply", "hash", "verify", "inspect"):
         assert command in out
 

@@ -35,7 +35,7 @@ app = typer.Typer(
     help=(
         "Lossless, compact diffs of safetensors checkpoints.\n\n"
         "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity (wrong base, damaged patch, "
-        "fingerprint mismatch)."
+        "fingerprint mismatch), 130 interrupted."
     ),
     no_args_is_help=True,
     add_completion=False,
