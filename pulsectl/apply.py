@@ -128,6 +128,18 @@ def apply_patches(
         out_path = Path(out)
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
+        for n, source in enumerate(patches, 1):
+            if (
+                isinstance(source, (str, Path))
+                and str(source) != "-"
+                and out_path.exists()
+                and os.path.exists(source)
+                and os.path.samefile(out_path, source)
+            ):
+                raise UsageError(
+                    f"{out_path} is patch {n} of this apply; the checkpoint would replace it, "
+                    "even with -f: write the output elsewhere"
+                )
         if not out_path.is_dir():  # a folder is checked once the patch says what it makes
             check_target(out_path, force)
     workers = workers or default_workers()

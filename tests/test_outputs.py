@@ -320,3 +320,26 @@ def test_a_closed_stdin_gives_an_empty_patch(chain: list[Path], tmp_path: Path) 
     assert r.returncode == 3, r.stderr
     assert "no patch bytes arrived" in _error(r.stderr.decode())
     assert not (tmp_path / "x").exists()
+
+
+def test_apply_never_writes_its_checkpoint_over_one_of_its_patches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`apply BASE P -o P -f` (a typo for the output) used to replace the patch with the
+    checkpoint; as `diff -o NEW` and `apply -o BASE` are, it is refused even with -f."""
+    import numpy as np
+
+    from pulsectl.checkpoint import save_safetensors
+
+    a, b, p = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse"
+    save_safetensors(a, {"w": ("F32", [64], np.arange(64, dtype=np.float32))})
+    save_safetensors(b, {"w": ("F32", [64], np.arange(64, dtype=np.float32) + 1)})
+    assert main(["-q", "diff", str(a), str(b), "-o", str(p)]) == 0
+    patch = p.read_bytes()
+    for extra in ([], ["-f"]):
+        assert main(["apply", str(a), str(p), "-o", str(p), *extra]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"pulsectl: error: {p} is patch 1 of this apply; the checkpoint would replace it, "
+            "even with -f: write the output elsewhere"
+        )
+    assert p.read_bytes() == patch
