@@ -35,7 +35,13 @@ from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all
 from pulsectl.checkpoint import Checkpoint, SafetensorsHeader, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves, patch_in_place
 from pulsectl.codecs._bits import add_moves
-from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
+from pulsectl.errors import (
+    CorruptPatchError,
+    IntegrityError,
+    OutputError,
+    PulseError,
+    UsageError,
+)
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     MAGIC,
@@ -534,7 +540,9 @@ def _apply_parts(
                 if isinstance(step, _Block):
                     # Decoding against the wrong base can fail before its fingerprint is known.
                     reader, header = parts[step.part]
-                    _check_item_base(header.items[step.index], base, reader.name, exc, partial)
+                    _check_item_base(
+                        header.items[step.index], base, reader.name, exc, partial, step.index
+                    )
                 raise
             wholes[step.file].update(new)
             written[step.file] += len(new)
@@ -552,7 +560,7 @@ def _apply_parts(
                         and chain.hexdigest() != item.base_fingerprint
                     ):
                         raise _wrong_base_tensor(
-                            item, base, chain.hexdigest(), reader.name, partial
+                            item, base, chain.hexdigest(), reader.name, partial, step.index
                         )
                     if item_h is not None:
                         item_fps[(step.part, step.index)] = item_h.hexdigest()
@@ -742,7 +750,12 @@ def _copy_task(
 
 
 def _check_item_base(
-    item: Item, base: Checkpoint, patch: str, cause: Exception, block: bool = False
+    item: Item,
+    base: Checkpoint,
+    patch: str,
+    cause: Exception,
+    block: bool = False,
+    index: int | None = None,
 ) -> None:
     """Raise the wrong-base error if ``item``'s base tensor is not the patch's."""
     if item.base_file is None or item.base_fingerprint is None:
@@ -756,15 +769,31 @@ def _check_item_base(
         start, nbytes = found[1].start, found[1].nbytes
     have = fingerprint_range(entry.path, start, nbytes)
     if have != item.base_fingerprint:
-        raise _wrong_base_tensor(item, base, have, patch, block) from cause
+        raise _wrong_base_tensor(item, base, have, patch, block, index) from cause
 
 
 def _wrong_base_tensor(
-    item: Item, base: Checkpoint, have: str, patch: str, block: bool = False
+    item: Item,
+    base: Checkpoint,
+    have: str,
+    patch: str,
+    block: bool = False,
+    index: int | None = None,
 ) -> IntegrityError:
     entry = base.files[item.base_file or 0]
     what = f"tensor {item.base_name!r}" if item.base_name is not None else "file"
     which = "block patch" if block else "patch"
+    if index is not None and _writes(patch, index) == have:
+        # The base already holds what the patch writes there: the commonest wrong base.
+        return IntegrityError(
+            f"{entry.path}: wrong base for {patch}: {what} already has the bytes the {which} "
+            f"writes (fingerprint {have}), so BASE looks like its target: applied already, or "
+            "made with OLD and NEW swapped? (the partial output was removed)",
+            path=str(entry.path),
+            tensor=item.base_name,
+            expected=item.base_fingerprint,
+            actual=have,
+        )
     stale = " (stale or already applied?)" if block else ""
     return IntegrityError(
         f"{entry.path}: wrong base for {patch}: {what} has fingerprint {have}, the {which} "
@@ -775,6 +804,21 @@ def _wrong_base_tensor(
         expected=item.base_fingerprint,
         actual=have,
     )
+
+
+def _writes(patch: str, index: int) -> str | None:
+    """The fingerprint item ``index`` of the patch file ``patch`` gives its tensor, from the
+    trailer (read from a fresh handle: the apply's reader may still be reading); None where
+    that cannot be known (a pipe, a damaged trailer)."""
+    try:
+        if patch == "-" or not os.path.isfile(patch):
+            return None
+        with open(patch, "rb") as stream:
+            items = read_trailer_at_end(stream, patch).get("items")
+        fp = items[index]["fingerprint"] if isinstance(items, list) else None
+    except (OSError, PulseError, LookupError, TypeError):
+        return None
+    return fp if isinstance(fp, str) else None
 
 
 def _check_block_base(header: PatchHeader, base: Checkpoint, base_path: Path, patch: str) -> None:

@@ -72,6 +72,28 @@ def test_wrong_base(work: dict[str, Path], capsys: Capsys) -> None:
     assert "tensor '" in msg  # names the first tensor that differs
 
 
+def test_patch_applied_to_its_own_target_says_so(
+    work: dict[str, Path], capsys: Capsys, tmp_path: Path
+) -> None:
+    """Applying a patch twice (or one made with OLD and NEW swapped) is the commonest wrong base:
+    the error says the base already holds what the patch writes, not only that it differs."""
+    msg = _fails(capsys, _apply_argv(work, "s1", "p1"), 3, work["out"], [work["s1"], work["p1"]])
+    assert "already has the bytes the patch writes" in msg and "applied already" in msg, msg
+    swapped = tmp_path / "swapped.pulse"
+    assert main(["-q", "diff", str(work["s1"]), str(work["s0"]), "-o", str(swapped)]) == 0
+    msg = _fails(
+        capsys,
+        ["apply", str(work["s0"]), str(swapped), "-o", str(work["out"] / "c")],
+        3,
+        work["out"],
+        [work["s0"]],
+    )
+    assert "OLD and NEW swapped" in msg, msg
+    # Any other wrong base keeps the plain message.
+    msg = _fails(capsys, _apply_argv(work, "s2", "p1"), 3, work["out"], [work["s2"]])
+    assert "already has" not in msg and "the patch expects" in msg, msg
+
+
 def test_wrong_base_only_in_the_last_tensor(work: dict[str, Path], capsys: Capsys) -> None:
     """The base is checked tensor by tensor as it is read: a base that differs only in its
     last tensor is caught at the end of the pass, and the partial output is removed."""
