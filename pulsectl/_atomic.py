@@ -22,6 +22,9 @@ from pulsectl.errors import OutputError, UsageError
 
 TEMP_MARK = ".pulsectl-tmp-"
 
+# How a path typed to mean a folder ends ('runs/', 'runs/.'); a Path drops both.
+_FOLDER_ENDINGS = tuple(dict.fromkeys(f"{sep}{dot}" for dot in (".", "") for sep in "/" + os.sep))
+
 # The signals that end a run the way Ctrl-C does (pulsectl.cli raises KeyboardInterrupt on the
 # last two): its temps are removed first. SIGHUP comes when a terminal or tmux pane closes.
 INTERRUPTS = tuple(
@@ -63,6 +66,30 @@ def missing_folder(path: Path) -> OutputError:
         f"(mkdir -p {shlex.quote(str(path.parent))})",
         path=path,
     )
+
+
+def check_file_target(path: str | os.PathLike[str], force: bool, what: str = "output") -> Path:
+    """``check_target`` for an output that is one file, as the user typed it; also refused: a
+    path ending in '/' (see ``file_path``) and an existing folder. Returns it as a Path."""
+    out = file_path(path, what)
+    if out.is_dir():
+        raise OutputError(f"{out}: is a folder; give a file path for the {what}", path=out)
+    check_target(out, force, what)
+    return out
+
+
+def file_path(path: str | os.PathLike[str], what: str = "output") -> Path:
+    """``path`` as a Path, for an output that is one file; refused where it ends in '/' (or
+    '/.'): whoever typed ``-o runs/`` means a folder, and would get a file named ``runs``
+    (a Path drops the '/', so ask this before making one)."""
+    text = os.fspath(path)
+    end = next((e for e in _FOLDER_ENDINGS if text.endswith(e) and text != e), None)
+    if end is not None:
+        raise UsageError(
+            f"{text}: ends with {end!r}, which names a folder, but the {what} is one file: "
+            "give a file name (FOLDER/NAME to write it in a folder)"
+        )
+    return Path(text)
 
 
 def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
@@ -197,16 +224,16 @@ def os_error(exc: OSError, path: Path) -> OutputError:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, force: bool, durable: bool = False) -> Iterator[BinaryIO]:
+def atomic_file(
+    path: str | os.PathLike[str], force: bool, durable: bool = False
+) -> Iterator[BinaryIO]:
     """Yield a temp file beside ``path``; on success it replaces ``path``, else it is removed.
 
     The rename is atomic for every other process whatever happens to this one (a kill leaves the
     old file or the new one). ``durable`` also fsyncs before the rename, so that a power loss
     cannot leave an empty file behind the new name.
     """
-    if path.is_dir():
-        raise OutputError(f"{path}: is a folder; give a file path for the output", path=path)
-    check_target(path, force)
+    path = check_file_target(path, force)
     tmp: Path | None = None
     out: BinaryIO | None = None
     try:

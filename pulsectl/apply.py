@@ -26,6 +26,7 @@ import numpy as np
 from pulsectl._atomic import (
     check_folder_target,
     check_target,
+    file_path,
     install,
     os_error,
     remove,
@@ -131,7 +132,7 @@ def apply_patches(
     else:
         if out is None:
             raise UsageError("give -o OUT, or --in-place to update BASE")
-        out_path = Path(out)
+        out_path = Path(out)  # drops a trailing '/': see file_path below
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
         for n, source in enumerate(patches, 1):
@@ -187,6 +188,8 @@ def apply_patches(
             refs = list(first_header.base_files)
             current_fp = first_header.base_fingerprint
             _check_base_files(first_header, current, base_path, first.name)
+        if first_header.layout == "file" and out is not None and not in_place:
+            file_path(out, "patched checkpoint")  # 'runs/': a folder, for a single file
         if out_path.is_dir() and not in_place:
             if first_header.layout == "file":
                 raise OutputError(

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from pulsectl._atomic import file_path
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, DiffSummary, diff_to_path, refuse_input_as_output
 from pulsectl.errors import OutputError, UsageError
@@ -80,12 +81,13 @@ def diff_blocks(
     The patches are one output: without ``force`` none of them, nor a block patch of an
     earlier run to ``out``, may exist; with it, those of an earlier run that this one does not
     write are removed once the new ones are written (``say`` is told of each)."""
+    out = file_path(out, "patch")  # the name the block patches are named after
     options = options or DiffOptions()
     target_ckpt = Checkpoint.open(new)
     names = [t.name for _, t in target_ckpt.tensors()]
     groups = block_groups(names, n)
-    paths = block_paths(Path(out), [label for label, _ in groups])
-    stale = stale_blocks(Path(out), paths)
+    paths = block_paths(out, [label for label, _ in groups])
+    stale = stale_blocks(out, paths)
     if not force:
         for path in [*paths, *stale]:
             if path.exists():

@@ -45,6 +45,7 @@ from pulsectl._atomic import (
     atomic_file,
     check_folder_target,
     check_target,
+    file_path,
     install,
     os_error,
     remove,
@@ -260,7 +261,7 @@ def cast_checkpoint(
 ) -> CastSummary:
     """Write the cast of checkpoint ``source`` (file or folder) to ``out``, atomically."""
     dst = target_dtype(to)
-    out = Path(out)
+    given, out = out, Path(out)  # 'runs/' with a trailing '/': a folder checkpoint only
     ckpt = Checkpoint.open(source)
     total = sum(e.size for e in ckpt.files)
     done = [0]
@@ -274,7 +275,7 @@ def cast_checkpoint(
     if ckpt.layout == "file":
         entry = ckpt.files[0]
         assert entry.header is not None
-        with atomic_file(out, force) as f:
+        with atomic_file(file_path(given, "cast checkpoint"), force) as f:
             _cast_file(entry, dst, f, counts, advance)
     else:
         check_target(out, force)

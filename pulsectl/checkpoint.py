@@ -25,7 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from pulsectl._atomic import discard, interrupts_deferred
+from pulsectl._atomic import discard, file_path, interrupts_deferred
 from pulsectl._dtypes import DTYPES
 from pulsectl.errors import FormatError, InputError, OutputError
 from pulsectl.format import MAGIC as PATCH_MAGIC
@@ -422,12 +422,12 @@ class Checkpoint:
         if not found:
             raise InputError(f"{root}: directory has no files; nothing to read", path=root)
         entries = []
-        for relpath, file_path in sorted(found):
+        for relpath, where in sorted(found):
             if relpath.endswith(SAFETENSORS_SUFFIX):
-                header = read_header(file_path)
-                entries.append(FileEntry(relpath, file_path, header.file_size, header))
+                header = read_header(where)
+                entries.append(FileEntry(relpath, where, header.file_size, header))
             else:
-                entries.append(FileEntry(relpath, file_path, _file_size(file_path), None))
+                entries.append(FileEntry(relpath, where, _file_size(where), None))
         checkpoint = cls("dir", root, tuple(entries))
         checkpoint._tensor_index  # noqa: B018 -- rejects a tensor present in two shards
         return checkpoint
@@ -541,7 +541,7 @@ def save_safetensors(
     (descending) then name, compact JSON, spaces up to a multiple of 8. Metadata keys are
     written sorted (the official writer uses a hash map, so its order varies per process).
     """
-    path = Path(path)
+    path = file_path(path)
     prepared = {name: _tensor_bytes(name, value) for name, value in tensors.items()}
     header, order = build_header({n: (v[0], v[1]) for n, v in prepared.items()}, metadata)
 

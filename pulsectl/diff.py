@@ -20,7 +20,7 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from pulsectl import __version__, _prehash
-from pulsectl._atomic import atomic_file
+from pulsectl._atomic import atomic_file, file_path
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import BufferPool, default_workers, ordered_map, window_for
 
@@ -137,7 +137,7 @@ def diff_to_path(
     durable: bool = False,
 ) -> DiffSummary:
     """Write the patch from ``old`` to ``new`` to ``out`` atomically (fsynced if ``durable``)."""
-    out = Path(out)
+    out = file_path(out, "patch")
     refuse_input_as_output(out, (old, new))
     with atomic_file(out, force, durable) as f:
         return diff_checkpoints(old, new, f, options=options, progress=progress)

@@ -36,7 +36,14 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import check_target, keep_mode, os_error, remove, temp_path
+from pulsectl._atomic import (
+    check_file_target,
+    file_path,
+    keep_mode,
+    os_error,
+    remove,
+    temp_path,
+)
 from pulsectl._io import pread_array
 from pulsectl.cast import cast_words
 from pulsectl.checkpoint import (
@@ -519,7 +526,7 @@ def encode_files(
     Both outputs are written in full to temporary files first; only then is ``out`` moved into
     place and, right after, the residual. Any failure before that leaves both untouched.
     """
-    out, residual_path = Path(out), Path(residual_path)
+    out, residual_path = file_path(out), file_path(residual_path, "residual")
     visible_words(np.zeros(0, np.float32), visible)  # reject a bad --visible before any work
     _check_distinct(
         [
@@ -529,8 +536,8 @@ def encode_files(
             ("-o", out, True),
         ]
     )
-    check_target(out, force)
-    check_target(residual_path, True, "residual")
+    check_file_target(out, force)
+    check_file_target(residual_path, True, "residual")
     global_, _ = load_tensors(global_path)
     local, _ = load_tensors(local_path)
     created = not residual_path.exists()
@@ -550,12 +557,12 @@ def reduce_files(
     level: int = DEFAULT_LEVEL,
 ) -> ReduceSummary:
     """Average the trainers' loco patches into a loco patch, or (``dense``) a safetensors file."""
-    out, paths = Path(out), [Path(p) for p in patches]
+    out, paths = file_path(out), [Path(p) for p in patches]
     _check_once(paths)
     _check_distinct(
         [(f"patch {k + 1}", p, False) for k, p in enumerate(paths)] + [("-o", out, True)]
     )
-    check_target(out, force)
+    check_file_target(out, force)
     updates = [read_update(p) for p in patches]
     avg = reduce(updates)
     if dense:
@@ -582,20 +589,20 @@ def step_files(
     ``update_path`` is a loco patch or a safetensors file of F32 tensors. A missing momentum
     file starts as torch does (the first buffer is the update itself).
     """
-    out = Path(out)
+    out = file_path(out)
     if plain and momentum_path is not None:
         raise UsageError("--plain averages without momentum; do not give --momentum")
     if not plain and momentum_path is None:
         raise UsageError("give --momentum FILE (created if missing), or --plain")
     check_outer(lr, beta)
-    momentum_path = None if momentum_path is None else Path(momentum_path)
+    momentum_path = None if momentum_path is None else file_path(momentum_path, "momentum")
     roles = [("--global", Path(global_path), False), ("--update", Path(update_path), False)]
     if momentum_path is not None:
         roles.append(("--momentum", momentum_path, True))
     _check_distinct([*roles, ("-o", out, True)])
-    check_target(out, force)
+    check_file_target(out, force)
     if momentum_path is not None:
-        check_target(momentum_path, True, "momentum")
+        check_file_target(momentum_path, True, "momentum")
     global_, metadata = load_tensors(global_path)
     update: Tensors | SparseUpdate
     update = read_update(update_path) if is_patch(update_path) else load_tensors(update_path)[0]

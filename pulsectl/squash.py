@@ -23,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import atomic_file, check_target
+from pulsectl._atomic import atomic_file, check_file_target
 from pulsectl.codecs import (
     CODEC_CONTEXT,
     CODEC_COPY,
@@ -82,8 +82,7 @@ def squash_patches(
             shown = "'-'" if str(p) == "-" else f"a pipe ({p})"
             raise UsageError(f"squash reads patches by seeking; give files, not {shown}")
     if isinstance(out, (str, Path)):
-        out = Path(out)
-        check_target(out, force)  # before the patches are read
+        out = check_file_target(out, force, "patch")  # before the patches are read
     infos = [read_patch_info(p, check=True) for p in patches]
     for info in infos:
         if info.header.scope == "tensors":

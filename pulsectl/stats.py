@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pulsectl._atomic import atomic_file, check_target
+from pulsectl._atomic import atomic_file, check_file_target, file_path
 from pulsectl._io import default_workers, ordered_map
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cast import cast_temporaries, target_dtype
@@ -659,14 +659,14 @@ def _window_task(
 
 def check_plot_target(path: str | Path, inputs: Sequence[str | Path], force: bool) -> None:
     """Before any work: refuse a plot path that is one of the command's inputs (even with
-    ``force``: the PNG would replace the checkpoint or patch), exists (unless ``force``) or is
-    not a file, and a missing matplotlib."""
-    path = Path(path)
+    ``force``: the PNG would replace the checkpoint or patch), ends in '/', exists (unless
+    ``force``) or is a folder, and a missing matplotlib."""
+    path = file_path(path, "plot")
     for item in inputs:
         same = str(item) != "-" and path.exists() and Path(item).exists()
         if same and os.path.samefile(path, item):
             raise UsageError(f"{path}: is an input of this command; write the plot elsewhere")
-    check_target(path, force, "plot")
+    check_file_target(path, force, "plot")
     _pyplot()
 
 
@@ -721,7 +721,7 @@ def plot_stats(doc: dict[str, Any], path: str | Path, *, force: bool = False) ->
         ax2.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     try:
-        with atomic_file(Path(path), force) as f:
+        with atomic_file(path, force) as f:
             fig.savefig(f, format="png", dpi=100, metadata={"Software": None})
     finally:
         plt.close(fig)

@@ -231,7 +231,7 @@ def write_patch(
     if isinstance(out, (str, Path)):
         from pulsectl.diff import diff_to_path
 
-        return diff_to_path(base, target, Path(out), force=True, options=options)
+        return diff_to_path(base, target, out, force=True, options=options)
     return diff_checkpoints(base, target, out, options=options)
 
 

@@ -5,6 +5,9 @@
 - A folder is not replaced when it holds an input or the current folder, or holds files but no
   checkpoint; a device, pipe or socket is never replaced; `-o -` is stdout only where the
   command can stream (diff, squash), and refused elsewhere.
+- An output typed with a trailing '/' (`-o runs/`) names a folder: refused where the output is
+  one file (a patch, a single-file checkpoint, a plot, loco's files), the same as without the
+  '/' where it is a folder checkpoint. An existing folder is never a single-file output.
 - A replaced file keeps its permission bits (and owner, where the user may set it).
 - Two `apply --in-place` runs on one BASE take turns: the second applies its patch to what the
   first wrote, instead of silently dropping the first's changes.
@@ -21,10 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import tree_bytes
 
 from pulsectl.apply import apply_patches
+from pulsectl.checkpoint import save_safetensors
 from pulsectl.cli.app import main
 from pulsectl.diff import DiffOptions, diff_to_path
 
@@ -197,6 +202,111 @@ def test_squash_refuses_a_pipe_as_input(chain: list[Path], tmp_path: Path) -> No
     assert _error(run.stderr.decode()) == (
         f"pulsectl: error: squash reads patches by seeking; give files, not a pipe ({fifo})"
     )
+
+
+def _single_file_outputs(chain: list[Path], tmp_path: Path) -> dict[str, list[str]]:
+    """For each kind of single-file output: a command line that ends with the option naming it
+    (the path goes last)."""
+    a, b = (str(c) for c in chain[:2])
+    patch, store = tmp_path / "p.pulse", tmp_path / "store"
+    diff_to_path(chain[0], chain[1], patch)
+    for step in chain[:2]:
+        assert main(["-q", "publish", str(store), str(step)]) == 0
+    f32 = {"w": np.arange(64, dtype=np.float32).reshape(8, 8) / 64}
+    g, lo = tmp_path / "g.safetensors", tmp_path / "l.safetensors"
+    save_safetensors(g, {"w": ("F32", (8, 8), f32["w"])})
+    save_safetensors(lo, {"w": ("F32", (8, 8), f32["w"] + np.float32(0.01))})
+    pg = tmp_path / "pg.pulse"
+    assert main(["-q", "loco", "encode", "-g", str(g), "-l", str(lo), "-r", str(tmp_path / "r"),
+                 "-o", str(pg)]) == 0  # fmt: skip
+    encode = ["loco", "encode", "-g", str(g), "-l", str(lo)]
+    step = ["loco", "step", "-g", str(g), "-u", str(pg)]
+    return {
+        "patch": ["diff", a, b, "-o"],
+        "patch (--blocks)": ["diff", a, b, "--blocks", "2", "-o"],
+        "patch (--as)": ["diff", a, b, "--as", "f16", "-o"],
+        "squashed patch": ["squash", str(patch), "-o"],
+        "patched checkpoint": ["apply", a, str(patch), "-o"],
+        "cast checkpoint": ["cast", a, "--to", "f16", "-o"],
+        "pulled checkpoint": ["pull", str(store), "-o"],
+        "plot": ["stats", a, b, "--plot"],
+        "loco patch": [*encode, "-r", str(tmp_path / "r2"), "-o"],
+        "residual": [*encode, "-o", str(tmp_path / "pg2.pulse"), "-r"],
+        "average": ["loco", "reduce", str(pg), "-o"],
+        "new global": [*step, "--plain", "-o"],
+        "momentum": [*step, "-o", str(tmp_path / "g2.safetensors"), "-m"],
+    }
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_trailing_slash_is_refused_for_a_single_file_output(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], exists: bool
+) -> None:
+    """`-o runs/` means a folder: a command whose output is one file used to write a file
+    named `runs`; now it refuses, before any work, naming the path and the fix."""
+    commands = _single_file_outputs(chain, tmp_path)
+    out = tmp_path / "runs"
+    if exists:
+        out.mkdir()
+    before = sorted(tmp_path.iterdir())
+    capsys.readouterr()
+    for what, argv in commands.items():
+        for typed in (f"{out}/", f"{out}/."):
+            assert main([*argv, typed]) == 2, what
+            line = _error(capsys.readouterr().err)
+            assert line.startswith(
+                f"pulsectl: error: {typed}: ends with '{typed[len(str(out)) :]}', which names a "
+                "folder, but the "
+            ), (what, line)
+            assert line.endswith(
+                " is one file: give a file name (FOLDER/NAME to write it in a folder)"
+            ), (what, line)
+            assert sorted(tmp_path.iterdir()) == before, what
+            assert not exists or not any(out.iterdir()), what
+
+
+def test_an_existing_folder_is_refused_as_a_single_file_output(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With or without -f, before any work: loco's outputs used to fail only once computed,
+    with "cannot write: Is a directory", and squash only once its patches were read."""
+    commands = _single_file_outputs(chain, tmp_path)
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "mine.txt").write_text("kept")
+    capsys.readouterr()
+    del commands["patch (--blocks)"]  # -o names the patches, runs.block0.pulse ...: no folder
+    for what, argv in commands.items():
+        for force in ([], ["-f"]):
+            assert main([*argv[:-1], *force, argv[-1], str(out)]) == 1, what
+            line = _error(capsys.readouterr().err)
+            assert line.startswith(f"pulsectl: error: {out}: is a folder"), (what, line)
+            assert "give " in line and "file" in line, (what, line)
+    assert tree_bytes(out) == {"mine.txt": b"kept"}
+
+
+def test_a_trailing_slash_on_a_folder_output_is_that_folder(
+    sharded_chain: list[Path], tmp_path: Path
+) -> None:
+    """Where the output is a folder checkpoint, `-o runs/` writes the folder `runs`, as
+    `-o runs` does."""
+    patch, store = tmp_path / "p.pulse", tmp_path / "store"
+    diff_to_path(sharded_chain[0], sharded_chain[1], patch)
+    for step in sharded_chain[:2]:
+        assert main(["-q", "publish", str(store), str(step)]) == 0
+    base = str(sharded_chain[0])
+    for argv in (
+        ["apply", base, str(patch)],
+        ["cast", base, "--to", "f16"],
+        ["pull", str(store)],
+    ):
+        plain, slashed = tmp_path / "plain", tmp_path / "slashed"
+        assert main(["-q", *argv, "-o", str(plain)]) == 0
+        assert main(["-q", *argv, "-o", f"{slashed}/"]) == 0
+        assert slashed.is_dir()
+        assert tree_bytes(slashed) == tree_bytes(plain)
+        shutil.rmtree(plain)
+        shutil.rmtree(slashed)
 
 
 def test_a_replaced_file_keeps_its_mode_and_owner(chain: list[Path], tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -21,7 +20,7 @@ def apply(
         ),
     ],
     output: Annotated[
-        Path | None,
+        str | None,
         typer.Option("--output", "-o", metavar="OUT", help="Where to write the result."),
     ] = None,
     in_place: Annotated[

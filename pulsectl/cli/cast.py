@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -16,7 +15,7 @@ def cast(
     ctx: typer.Context,
     checkpoint: Checkpoint,
     output: Annotated[
-        Path,
+        str,
         typer.Option("--output", "-o", metavar="OUT", help="Where to write the cast checkpoint."),
     ],
     to: Annotated[

@@ -38,7 +38,7 @@ def encode(
         ),
     ],
     residual: Annotated[
-        Path,
+        str,
         typer.Option(
             "--residual",
             "-r",
@@ -47,7 +47,7 @@ def encode(
         ),
     ],
     output: Annotated[
-        Path, typer.Option("--output", "-o", metavar="PG", help="Sparse pseudo-gradient patch.")
+        str, typer.Option("--output", "-o", metavar="PG", help="Sparse pseudo-gradient patch.")
     ],
     visible: Annotated[
         str, typer.Option("--visible", metavar="DTYPE", help=_VISIBLE_HELP)
@@ -80,7 +80,7 @@ def reduce(
         typer.Argument(metavar="PG...", help="The trainers' patches from `loco encode`."),
     ],
     output: Annotated[
-        Path, typer.Option("--output", "-o", metavar="AVG", help="Averaged update to write.")
+        str, typer.Option("--output", "-o", metavar="AVG", help="Averaged update to write.")
     ],
     dense: Annotated[
         bool, typer.Option("--dense", help="Write a safetensors file of F32 tensors instead.")
@@ -119,10 +119,10 @@ def step(
         ),
     ],
     output: Annotated[
-        Path, typer.Option("--output", "-o", metavar="G2", help="New global weights.")
+        str, typer.Option("--output", "-o", metavar="G2", help="New global weights.")
     ],
     momentum: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--momentum",
             "-m",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +17,7 @@ def pull(
     ctx: typer.Context,
     store: StoreUrl,
     output: Annotated[
-        Path,
+        str,
         typer.Option(
             "--output",
             "-o",

@@ -18,7 +18,7 @@ def squash(
         typer.Argument(metavar="PATCH...", help="Full patches (not block patches) in chain order."),
     ],
     output: Annotated[
-        Path,
+        str,
         typer.Option(
             "--output", "-o", metavar="PATCH", help="The squashed patch; '-' writes it to stdout."
         ),

@@ -44,7 +44,7 @@ def stats(
     ] = None,
     as_json: JsonFlag = False,
     plot: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--plot",
             metavar="PNG",

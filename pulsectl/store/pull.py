@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from pulsectl._atomic import (
     check_folder_target,
     check_target,
+    file_path,
     install,
     missing_folder,
     os_error,
@@ -93,7 +94,7 @@ def pull(
     # A folder store's own folder must not be inside the folder that the result replaces.
     inputs = [Path(store)] if isinstance(store, (str, Path)) and "://" not in str(store) else []
     store = store if isinstance(store, Store) else open_store(store)
-    out = Path(out)
+    given, out = out, Path(out)  # 'runs/' with a trailing '/': a folder checkpoint only
     check_target(out, force=True)  # '-', a device or pipe, or a missing folder: refused
     check_folder_target(out, inputs)
     for root in inputs:  # a folder store's objects are never rewritten, by pull least of all
@@ -106,6 +107,8 @@ def pull(
         raise InputError(f"prefetch {prefetch}: give 1 or more")
     catalog = Catalog(store)
     target = _target(catalog, store, step)
+    if target.layout == "file":
+        file_path(given, "pulled checkpoint")
     if target.layout == "file" and out.is_dir():
         raise OutputError(
             f"{out}: is a folder, and step {target.step} of {store.url} is a single file; give "
