@@ -15,8 +15,8 @@ header bytes with the caller's. Anything unexpected (no ``fork``, an option this
 not know, a file that is not safetensors, a child that fails) leaves the command to hash as it
 would without this module. ``PULSECTL_PREHASH=0`` turns it off.
 
-This module imports only the standard library and xxhash, so that starting the child costs
-almost nothing.
+This module imports only the standard library, xxhash and pulsectl._env, so that starting the
+child costs almost nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass
 
 import xxhash
+
+from pulsectl._env import switch
 
 # Smaller files hash in a few milliseconds: not worth a process.
 MIN_BYTES = 64 * 1024 * 1024
@@ -212,7 +214,8 @@ _child: _Child | None = None
 
 
 def enabled() -> bool:
-    return os.environ.get("PULSECTL_PREHASH", "1") != "0" and hasattr(os, "fork")
+    # A value other than 0 or 1: off; the CLI refuses it before the command runs.
+    return bool(switch("PULSECTL_PREHASH")) and hasattr(os, "fork")
 
 
 def start(args: list[str]) -> None:

@@ -152,6 +152,36 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         assert out == f"pulsectl {__version__} (codec loops: compiled, {level})\n"
 
 
+@pytest.mark.parametrize(
+    ("name", "default"), [("PULSECTL_PREHASH", "on"), ("PULSECTL_PURE_PYTHON", "off")]
+)
+def test_a_switch_in_the_environment_takes_1_0_or_nothing(
+    name: str,
+    default: str,
+    chain: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Any value but 0 used to mean on (PREHASH) or any value but 0 and '' to mean on
+    (PURE_PYTHON), silently: `PULSECTL_PURE_PYTHON=no` turned the compiled loops off. Now
+    another value is a usage error, before the command runs."""
+    out = tmp_path / "p.pulse"
+    argv = ["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(out)]
+    for value in ("yes", "no", "true", "off", "2", " 1", "1 "):
+        monkeypatch.setenv(name, value)
+        assert main(argv) == 2, value
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: environment variable {name}={value!r}: give 1 (on) or 0 (off), "
+            f"or unset it ({default} by default)"
+        )
+        assert not out.exists()
+    for value in ("1", "0", ""):
+        monkeypatch.setenv(name, value)
+        assert main([*argv, "-f"]) == 0, value
+        assert capsys.readouterr().err == ""
+
+
 def test_version_names_the_numpy_fallback() -> None:
     """With the extension turned off, --version says so (in a child: the choice is made at
     import)."""

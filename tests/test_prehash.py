@@ -301,6 +301,25 @@ def test_no_child_without_fork_or_when_turned_off(
     assert _prehash._child is None
 
 
+def test_a_bad_prehash_value_starts_no_child_and_raises_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PULSECTL_PREHASH takes 1, 0 or nothing; the console script starts the child before the
+    CLI can refuse another value (tests/test_cli.py), so here it only must not start one (any
+    value but '0' used to) nor fail."""
+    a = tmp_path / "a.safetensors"
+    save_file(_tensors([100], 4), str(a))
+    monkeypatch.setattr(_prehash, "MIN_BYTES", 1)
+    for value, child in (("1", True), ("", True), ("yes", False), ("off", False), ("2", False)):
+        monkeypatch.setenv("PULSECTL_PREHASH", value)
+        try:
+            _prehash.start(["hash", str(a)])
+            assert (_prehash._child is not None) == child, value
+        finally:
+            _prehash.stop()
+            _prehash._child = None
+
+
 # The console script, on files big enough for a child (MIN_BYTES): mostly zeros, so they are
 # quick to write and hash.
 @pytest.fixture(scope="module")

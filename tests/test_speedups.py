@@ -500,6 +500,25 @@ def test_simd_environment_caps_the_loops():
         NATIVE.simd("sse9")
 
 
+@needs_native
+def test_a_bad_pure_python_value_is_ignored_with_a_warning_by_the_library() -> None:
+    """The CLI refuses PULSECTL_PURE_PYTHON=yes (tests/test_cli.py); a program that imports
+    pulsectl is told, and keeps the compiled loops, as for a bad PULSECTL_SIMD. It used to
+    switch them off without a word (any value but '' and '0')."""
+    code = "from pulsectl.codecs import _fast; print(_fast.describe())"
+    for value, loops, warned in (("yes", "compiled", True), ("1", "numpy", False)):
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PULSECTL_PURE_PYTHON": value},
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        assert run.stdout.startswith(loops), (value, run.stdout)
+        warning = f"pulsectl: warning: PULSECTL_PURE_PYTHON={value!r} is not 0 or 1; ignored\n"
+        assert run.stderr == (warning if warned else ""), value
+
+
 CONTEXT_KEYS = {1: (3, 4), 2: (7, 8), 4: (23, 8), 8: (52, 11)}
 
 

@@ -143,6 +143,7 @@ def _main(args: list[str]) -> int:
                 f"argument {args.index('') + 1} is empty (an unset shell variable?); give a "
                 "path or a value"
             )
+        _check_environment()
         result = app(args=args, prog_name="pulsectl", standalone_mode=False)
         code = result if isinstance(result, int) else 0
         if code == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into a silent Exit(130)
@@ -190,6 +191,21 @@ def _main(args: list[str]) -> int:
             sys.stderr.write(f"pulsectl: error: {exc.message}\n")
             code = exc.exit_code
     return code
+
+
+def _check_environment() -> None:
+    """Refuse a PULSECTL_* switch set to a value it does not take (`PULSECTL_PREHASH=no`),
+    which would otherwise be taken silently for one it does."""
+    from pulsectl._env import SWITCHES, bad_switch
+
+    bad = bad_switch()
+    if bad is not None:
+        name, value = bad
+        default = "on" if SWITCHES[name] else "off"
+        raise UsageError(
+            f"environment variable {name}={value!r}: give 1 (on) or 0 (off), or unset it "
+            f"({default} by default)"
+        )
 
 
 def _parser_error(exc: typer.TyperException) -> str:

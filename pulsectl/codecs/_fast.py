@@ -2,7 +2,8 @@
 
 The extension is built at install when a C compiler is present; every function in it gives the
 bytes of the numpy code it replaces (the tests run both and compare). ``PULSECTL_PURE_PYTHON=1``
-turns it off, e.g. to rule it out when chasing a bug.
+turns it off, e.g. to rule it out when chasing a bug (0 or unset: on; the CLI refuses other
+values, the library warns and leaves it on).
 
 On x86-64 CPUs with AVX-512 (with VBMI and VBMI2) a few loops run in an AVX-512 version, chosen at
 import (finding changes, Rice coding and decoding, the context codec's dense walks, pairing value
@@ -17,13 +18,21 @@ import os
 import sys
 from types import ModuleType
 
+from pulsectl._env import switch
 from pulsectl.errors import CorruptPatchError
 
 SIMD_LEVELS = ("avx512", "avx2", "portable")  # PULSECTL_SIMD's values, most first
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get("PULSECTL_PURE_PYTHON", "") not in ("", "0"):
+    pure = switch("PULSECTL_PURE_PYTHON")
+    if pure is None:  # (the CLI refuses it before it gets here)
+        print(
+            f"pulsectl: warning: PULSECTL_PURE_PYTHON={os.environ['PULSECTL_PURE_PYTHON']!r} is "
+            "not 0 or 1; ignored",
+            file=sys.stderr,
+        )
+    if pure:
         return None
     if sys.byteorder != "little":  # the C loops read little-endian words as native integers
         return None
@@ -54,6 +63,6 @@ def describe() -> str:
     """Which inner loops this process runs, for ``pulsectl --version`` and bug reports."""
     if native is not None:
         return f"compiled, {native.simd(None)}"
-    if os.environ.get("PULSECTL_PURE_PYTHON", "") not in ("", "0"):
+    if switch("PULSECTL_PURE_PYTHON"):
         return "numpy (PULSECTL_PURE_PYTHON is set)"
     return "numpy (the C extension was not built: no C compiler at install?)"
