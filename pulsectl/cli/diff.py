@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from pulsectl._atomic import file_path
 from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL
 from pulsectl.cli._options import FindDevice, Force, Fsync, NewCheckpoint, OldCheckpoint, Workers
 from pulsectl.cli._output import Output, binary_stdout, smaller_than
@@ -95,6 +94,8 @@ def diff(
     )
     stdout = output is None or output == "-"
     if output is not None and not stdout:
+        from pulsectl._atomic import file_path
+
         file_path(output, "patch")  # 'runs/': refused before any work (--as casts first)
     if blocks is not None:
         if stdout:
