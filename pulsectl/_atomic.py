@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, BinaryIO
 
+from pulsectl import _placed
 from pulsectl.errors import OutputError, UsageError
 
 TEMP_MARK = ".pulsectl-tmp-"
@@ -30,6 +31,14 @@ _FOLDER_ENDINGS = tuple(dict.fromkeys(f"{sep}{dot}" for dot in (".", "") for sep
 INTERRUPTS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
 )
+
+
+def put_in_place(tmp: Path | str, path: Path) -> None:
+    """Rename the finished ``tmp`` to ``path`` and record it (``pulsectl._placed``): an
+    interrupt comes before both or after both."""
+    with interrupts_deferred():
+        os.replace(tmp, path)
+        _placed.record(path)
 
 
 def check_target(path: Path, force: bool, what: str = "output") -> None:
@@ -252,7 +261,7 @@ def atomic_file(
             if durable:
                 os.fsync(f.fileno())
         keep_mode(tmp, path)
-        os.replace(tmp, path)
+        put_in_place(tmp, path)
     except OSError as exc:
         discard(out, tmp)
         raise os_error(exc, path) from exc
@@ -302,7 +311,7 @@ def install(tmp: Path, path: Path) -> None:
     if not (tmp.is_dir() and os.path.lexists(path)):
         if not tmp.is_dir():
             _take_mode(tmp, path, None)
-        os.replace(tmp, path)
+        put_in_place(tmp, path)
         return
     folder = path.is_dir() and not path.is_symlink()  # a link is replaced, not followed
     with interrupts_deferred():
@@ -316,6 +325,7 @@ def install(tmp: Path, path: Path) -> None:
             except BaseException:
                 os.replace(old, path)
                 raise
+        _placed.record(path)
         if not folder:
             remove(old)
             return

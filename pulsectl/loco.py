@@ -39,8 +39,10 @@ from pulsectl import __version__
 from pulsectl._atomic import (
     check_file_target,
     file_path,
+    interrupts_deferred,
     keep_mode,
     os_error,
+    put_in_place,
     remove,
     temp_path,
 )
@@ -847,12 +849,15 @@ def _commit(writes: Sequence[tuple[Path, Any]]) -> None:
             tmp = temp_path(target)
             temps.append((tmp, target))
             write(tmp)
-        for tmp, target in temps:
-            try:
-                keep_mode(tmp, target)  # a replaced file keeps its bits
-                os.replace(tmp, target)
-            except OSError as exc:
-                raise os_error(exc, target) from exc
+        # All of them or, on an error, the first ones: never the patch without the residual
+        # because an interrupt came between them.
+        with interrupts_deferred():
+            for tmp, target in temps:
+                try:
+                    keep_mode(tmp, target)  # a replaced file keeps its bits
+                    put_in_place(tmp, target)
+                except OSError as exc:
+                    raise os_error(exc, target) from exc
     except OSError as exc:
         raise os_error(exc, writes[len(temps) - 1][0] if temps else Path(".")) from exc
     finally:

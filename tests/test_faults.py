@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -31,8 +32,9 @@ from _faultkit import (
     write_small_folders,
     write_small_pair,
 )
+from conftest import tree_bytes
 
-from pulsectl import _atomic
+from pulsectl import _atomic, _placed
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import Checkpoint, parse_header, save_safetensors
 from pulsectl.cli.app import main
@@ -359,6 +361,104 @@ def test_interrupt_prints_one_line_and_exits_130(
     argv = ["apply", str(small["base"]), str(small["patch"]), "-o", str(small["out"] / "c")]
     assert main(argv) == 130
     assert one_line(capsys) == "pulsectl: error: interrupted; no output was written"
+
+
+@pytest.fixture
+def sigint_after_rename(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """While the CLI runs, a SIGINT that arrives right after an output is renamed into place
+    (some of the kills in tests/test_kill.py land there): raised as the rename is recorded,
+    held until the rename's step is done, then acted on as Python does (KeyboardInterrupt).
+    Returns the paths renamed."""
+    renamed: list[Path] = []
+    record = _placed.record
+
+    def record_then_interrupt(path: Path) -> None:
+        record(path)
+        if _placed._paths is not None:
+            renamed.append(path)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(_placed, "record", record_then_interrupt)
+    return renamed
+
+
+def test_an_interrupt_after_the_output_is_in_place_says_so(
+    tmp_path: Path, sigint_after_rename: list[Path], capsys: Capsys
+) -> None:
+    """It used to say "interrupted; no output was written" with the complete output at OUT."""
+    base, new = write_small_pair(tmp_path)
+    fbase, fnew = write_small_folders(tmp_path)
+    patch, fpatch = tmp_path / "p.pulse", tmp_path / "f.pulse"
+    patch.write_bytes(make_patch(base, new))
+    fpatch.write_bytes(make_patch(fbase, fnew))
+    out = tmp_path / "out"
+    for argv, want in (
+        (["diff", str(base), str(new)], None),
+        (["apply", str(base), str(patch)], {"": new.read_bytes()}),
+        (["apply", str(fbase), str(fpatch)], tree_bytes(fnew)),
+        (["cast", str(fbase), "--to", "bf16"], None),
+        (["squash", str(patch)], None),
+    ):
+        for force in ([], ["-f"]):  # a new output, then one that replaces it
+            sigint_after_rename.clear()
+            assert main(["-q", *argv, "-o", str(out), *force]) == 130, argv
+            assert one_line(capsys) == f"pulsectl: error: interrupted after {out} was written"
+            assert sigint_after_rename == [out], argv
+            assert want is None or tree_bytes(out) == want, argv
+            assert temps_in(tmp_path) == [], argv
+        _atomic.remove(out)
+
+
+def test_an_interrupt_between_two_outputs_puts_both_in_place(
+    tmp_path: Path, sigint_after_rename: list[Path], capsys: Capsys
+) -> None:
+    """loco encode's patch and residual: a signal right after the first rename used to leave
+    the new patch beside the old residual (error feedback lost); both go in place now, and the
+    line names both."""
+    g = np.linspace(-1, 1, 64, dtype=np.float32)
+    gp, lp = tmp_path / "g.safetensors", tmp_path / "l.safetensors"
+    save_safetensors(gp, {"w": ("F32", [64], g)})
+    save_safetensors(lp, {"w": ("F32", [64], g + np.float32(0.01))})
+    pg, r = tmp_path / "pg.pulse", tmp_path / "r.safetensors"
+    argv = ["loco", "encode", "-g", str(gp), "-l", str(lp), "-r", str(r), "-o", str(pg)]
+    assert main(argv) == 130
+    assert one_line(capsys) == f"pulsectl: error: interrupted after {pg}, {r} were written"
+    assert sigint_after_rename == [pg, r]
+    assert pg.exists() and r.exists()
+
+
+def test_an_interrupt_names_what_went_to_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """A patch streamed to stdout (`diff A B > p.pulse`) is written as it goes: "no output
+    was written" was untrue once its first bytes had gone."""
+    from pulsectl.cli import _output
+
+    base, new = write_small_pair(tmp_path)
+    whole = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(base), str(new), "-o", str(whole)]) == 0
+    finish = _output._GuardedBuffer.finish
+
+    def finish_then_interrupt(self: Any) -> None:
+        finish(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_output._GuardedBuffer, "finish", finish_then_interrupt)
+    assert main(["-q", "diff", str(base), str(new)]) == 130
+    cap = capsysbinary.readouterr()
+    assert cap.out == whole.read_bytes()
+    line = b"pulsectl: error: interrupted after the patch was written to standard output\n"
+    assert cap.err == line
+
+    def half_then_interrupt(old: Any, new: Any, out: Any, **kw: Any) -> None:
+        out.write(b"PULSE")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("pulsectl.diff.diff_checkpoints", half_then_interrupt)
+    assert main(["-q", "diff", str(base), str(new)]) == 130
+    cap = capsysbinary.readouterr()
+    assert cap.out == b"PULSE"
+    assert cap.err == b"pulsectl: error: interrupted; the patch on standard output is incomplete\n"
 
 
 def test_folder_install_swaps_in_one_step(tmp_path: Path) -> None:

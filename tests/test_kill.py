@@ -139,8 +139,13 @@ def leftovers(folder: Path, name: str, sig: signal.Signals) -> None:
             p.unlink()
 
 
-def check_exit(sig: signal.Signals, code: int, err: str, delay: float) -> None:
+def check_exit(
+    sig: signal.Signals, code: int, err: str, delay: float, written: Path | None
+) -> None:
     """0 if it finished first; 130 and one line after SIGINT/SIGTERM/SIGHUP; -9 after SIGKILL.
+
+    The line says that nothing was written, or, for a signal that came after OUT was renamed
+    into place (``written``: the run's output is there, complete), that OUT was written.
 
     A signal that reaches Python before pulsectl's main() runs (interpreter start-up, site
     and .pth processing, imports) ends it with Python's own report and no pulsectl line:
@@ -156,7 +161,10 @@ def check_exit(sig: signal.Signals, code: int, err: str, delay: float) -> None:
         # it saw a KeyboardInterrupt it considers unhandled): a shell reads that as 130 too.
         assert code in (0, 130, -signal.SIGINT), where
         if code != 0:
-            assert err.strip() == "pulsectl: error: interrupted; no output was written", where
+            line = "interrupted; no output was written"
+            if written is not None:
+                line = f"interrupted after {written} was written"
+            assert err.strip() == f"pulsectl: error: {line}", where
 
 
 def kill_rounds(chain: Chain, rounds: int, in_place_every: int, seed: int) -> Counter[str]:
@@ -178,6 +186,7 @@ def kill_rounds(chain: Chain, rounds: int, in_place_every: int, seed: int) -> Co
             state = "new" if fp == chain.target_fp else "old"
             leftovers(work, victim.name, sig)
             victim.unlink()
+            written = victim if state == "new" else None
         else:
             out = work / "out.safetensors"
             code, err = interrupt(apply_argv(chain, out), sig, delay)
@@ -186,7 +195,8 @@ def kill_rounds(chain: Chain, rounds: int, in_place_every: int, seed: int) -> Co
                 assert file_fingerprint(out) == chain.target_fp, f"OUT incomplete after {sig.name}"
                 out.unlink()
             leftovers(work, out.name, sig)
-        check_exit(sig, code, err, delay)
+            written = out if state == "complete" else None
+        check_exit(sig, code, err, delay, written)
         seen[f"{'in-place' if in_place else '-o'} {sig.name} {state}"] += 1
     assert file_fingerprint(chain.base) == chain.base_fp, "BASE changed"
     return seen
@@ -223,9 +233,10 @@ def test_kill_diff(chain200: Chain) -> None:
     for n in range(12):
         sig = SIGNALS[n % len(SIGNALS)]
         code, err = interrupt(argv, sig, rng.uniform(0.2, 4.0))
+        written = patch if patch.exists() else None
         if patch.exists():
             assert file_fingerprint(patch) == chain200.patch_fp
             patch.unlink()
         leftovers(patch.parent, patch.name, sig)
-        check_exit(sig, code, err, 0.0)
+        check_exit(sig, code, err, 0.0, written)
     assert os.path.exists(chain200.base)

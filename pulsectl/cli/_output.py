@@ -121,6 +121,10 @@ class GuardedStdout:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.failed: OutputError | None = None
+        # What binary bytes were written for ("the patch"), and whether all of it was: for the
+        # line that an interrupt prints.
+        self.sent: str | None = None
+        self.sent_whole = False
 
     def __getattr__(self, name: str) -> Any:
         if self.stream is None:
@@ -198,6 +202,7 @@ class _GuardedBuffer:
         if self._raw is None:
             raise stdout_closed()
         self._text._check()
+        self._text.sent = self._what  # an interrupt from now on leaves it incomplete
         try:
             return int(self._raw.write(data))
         except OSError as exc:
@@ -211,6 +216,11 @@ class _GuardedBuffer:
             self._raw.flush()
         except OSError as exc:
             raise self._text._failed(exc, self._what) from exc
+
+    def finish(self) -> None:
+        """Say that the whole of it was written (then flushed)."""
+        self.flush()
+        self._text.sent_whole = self._text.sent is not None
 
 
 def stdout_failed(exc: OSError, what: str) -> OutputError:

@@ -6,11 +6,12 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pulsectl import __version__
+from pulsectl import __version__, _placed
 from pulsectl.cli import apply as apply_cmd
 from pulsectl.cli import cast as cast_cmd
 from pulsectl.cli import demo as demo_cmd
@@ -128,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     real_stdout = sys.stdout
     sys.stdout = GuardedStdout(real_stdout)  # a failed write to stdout is one line
     try:
-        return _main(args)
+        with _placed.recording() as written:
+            return _main(args, written)
     finally:
         sys.stdout = real_stdout
 
 
-def _main(args: list[str]) -> int:
+def _main(args: list[str], written: list[Path]) -> int:
     code = 0
     try:
         if "" in args:
@@ -147,7 +149,7 @@ def _main(args: list[str]) -> int:
         result = app(args=args, prog_name="pulsectl", standalone_mode=False)
         code = result if isinstance(result, int) else 0
         if code == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into a silent Exit(130)
-            sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
+            sys.stderr.write(f"pulsectl: error: {_interrupted_line(written)}\n")
     except PulseError as exc:
         if _wants_traceback(args):
             traceback.print_exc()
@@ -165,7 +167,7 @@ def _main(args: list[str]) -> int:
             sys.stderr.write(f"pulsectl: error: {_parser_error(exc)}\n")
         code = getattr(exc, "exit_code", None) or EXIT_USAGE
     except (KeyboardInterrupt, typer.Abort):
-        sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
+        sys.stderr.write(f"pulsectl: error: {_interrupted_line(written)}\n")
         code = EXIT_INTERRUPTED
     except MemoryError:
         sys.stderr.write("pulsectl: error: out of memory\n")
@@ -173,7 +175,7 @@ def _main(args: list[str]) -> int:
     except Exception as exc:
         if _interrupted(exc):
             # Ctrl-C inside an import: numpy, say, turns it into an ImportError of its own.
-            sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
+            sys.stderr.write(f"pulsectl: error: {_interrupted_line(written)}\n")
             code = EXIT_INTERRUPTED
         else:
             traceback.print_exc()
@@ -191,6 +193,23 @@ def _main(args: list[str]) -> int:
             sys.stderr.write(f"pulsectl: error: {exc.message}\n")
             code = exc.exit_code
     return code
+
+
+def _interrupted_line(written: list[Path]) -> str:
+    """What an interrupt left: the outputs this run had put in place and that are still there
+    (a signal can come right after the last rename; demo's are in a temp folder, removed by
+    then), else nothing, or a patch on stdout, whole or in part."""
+    there = list(dict.fromkeys(str(p) for p in written if os.path.lexists(p)))
+    if there:
+        shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+        verb = "was" if len(there) == 1 else "were"
+        return escape_controls(f"interrupted after {shown} {verb} written")
+    stdout = sys.stdout
+    if isinstance(stdout, GuardedStdout) and stdout.sent is not None:
+        if stdout.sent_whole:
+            return f"interrupted after {stdout.sent} was written to standard output"
+        return f"interrupted; {stdout.sent} on standard output is incomplete"
+    return "interrupted; no output was written"
 
 
 def _check_environment() -> None:

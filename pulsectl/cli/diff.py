@@ -147,9 +147,9 @@ def _run(
         return
     with out.progress("diff") as progress:
         if output is None or output == "-":
-            summary = diff_checkpoints(
-                old, new, binary_stdout(), options=options, progress=progress
-            )
+            sink = binary_stdout()
+            summary = diff_checkpoints(old, new, sink, options=options, progress=progress)
+            sink.finish()
         else:
             summary = diff_to_path(
                 old,

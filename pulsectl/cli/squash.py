@@ -45,8 +45,11 @@ def squash(
     out: Output = ctx.obj
     options = parse_level(level, 1)
     stdout = str(output) == "-"
-    sink = binary_stdout() if stdout else output  # a terminal is refused before any work
+    stream = binary_stdout() if stdout else None  # a terminal is refused before any work
+    sink = output if stream is None else stream
     summary = squash_patches(patches, sink, base=base, force=force, options=options)
+    if stream is not None:
+        stream.finish()
     out.info(
         f"squashed {summary.patches} patches ({summary.input_bytes:,} bytes) into "
         f"{'stdout' if stdout else output} "
