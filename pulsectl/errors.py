@@ -1,7 +1,8 @@
 """One exception hierarchy for pulsectl, with the exit codes the CLI maps them to.
 
 Exit codes (documented in docs/GUARANTEES.md and README.md):
-  0 ok, 1 error (bad or unreadable input, output problems), 2 usage, 3 integrity.
+  0 ok, 1 error (bad or unreadable input, output problems), 2 usage, 3 integrity, 141 the
+  reader of text on stdout went away (the console script then dies of SIGPIPE, as git does).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTEGRITY = 3
+EXIT_PIPE = 141  # 128 + SIGPIPE
 
 
 # Line breaks and other control characters in a message (from a file name, or from a
@@ -76,6 +78,14 @@ class FormatError(InputError):
 
 class OutputError(PulseError):
     """The output cannot be written: it exists, the disk is full, the folder is read-only."""
+
+
+class ReaderGoneError(OutputError):
+    """The reader of the text written to stdout went away (``| head``): it took what it
+    wanted, so this is not reported; the CLI ends as by SIGPIPE (exit 141), as git and
+    coreutils do. (A patch or checkpoint cut short on stdout stays an ``OutputError``.)"""
+
+    exit_code = EXIT_PIPE
 
 
 class IntegrityError(PulseError):

@@ -90,7 +90,8 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert (
         "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity (wrong base, damaged patch, "
-        "fingerprint mismatch), 130 interrupted." in " ".join(out.split())
+        "fingerprint mismatch), 130 interrupted, 141 the reader of text output went away "
+        "(| head; no message, as git)." in " ".join(out.split())
     )
     for command in ("diff", "apply", "hash", "verify", "inspect"):
         assert command in out

@@ -673,6 +673,36 @@ def test_broken_pipe_and_short_stream(noisy: dict[str, Path], tmp_path: Path) ->
     assert not (tmp_path / "c").exists() and not temps_in(tmp_path)
 
 
+def test_a_patch_write_cut_short_by_the_reader_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write into a pipe whose reader leaves during it returns short, without an error (seen
+    with a 10 MB write to `head -c 10`); the rest of a patch must not be dropped unsaid."""
+    from pulsectl.cli import _output
+
+    class ShortPipe(io.RawIOBase):
+        def __init__(self) -> None:
+            self.got = b""
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data: Any) -> int:
+            if self.got:
+                raise BrokenPipeError(32, "Broken pipe")
+            self.got = bytes(data[:3])
+            return 3
+
+    class Stdout:
+        buffer = ShortPipe()
+
+    monkeypatch.setattr(_output, "_silence_stdout", lambda: None)
+    sink = _output._GuardedBuffer(_output.GuardedStdout(Stdout()), "the patch")
+    with pytest.raises(OutputError, match="^output pipe closed before the patch was complete$"):
+        sink.write(b"patch bytes")
+    assert Stdout.buffer.got == b"pat"
+
+
 def test_errors_are_pulse_errors() -> None:
     """The classes the CLI maps: damage is an integrity error (3), the rest input errors (1)."""
     assert CorruptPatchError("x").exit_code == 3

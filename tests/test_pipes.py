@@ -257,3 +257,94 @@ def test_closed_stderr_or_stdin_takes_no_output_with_it(ab: Path) -> None:
     r = sh("pulsectl diff a.safetensors missing.safetensors -o r 2>&-", ab)
     assert (r.returncode, r.stderr) == (1, b"")
     assert sorted(p.name for p in ab.iterdir()) == before
+
+
+def _closed_pipe(script: str, cwd: Path) -> tuple[int, bytes]:
+    """Run ``script`` in bash with stdout a pipe whose reader has already gone, so that the
+    first write there fails, whatever the timing; the status bash reports and stderr."""
+    env = {**os.environ, "PATH": f"{Path(PULSECTL).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PULSECTL_DEBUG", None)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run(
+            ["bash", "-c", f"{script}; echo status $? >&2"],
+            cwd=cwd,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    *err, status = r.stderr.decode().strip().splitlines() or ["status ?"]
+    return int(status.removeprefix("status ")), "\n".join(err).encode()
+
+
+@pytest.fixture
+def many(tmp_path: Path) -> Path:
+    """a.safetensors, b.safetensors with 3000 small tensors each, and their patch p: enough
+    that `inspect --json` and `stats --json` print far more than a pipe buffer holds."""
+    gen = torch.Generator().manual_seed(3)
+    a = {f"t{i}": torch.randn(8, generator=gen).to(torch.bfloat16) for i in range(3000)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file({k: v * 1.5 for k, v in a.items()}, tmp_path / "b.safetensors")
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", tmp_path).returncode == 0
+    return tmp_path
+
+
+def test_text_output_into_a_closed_pipe_ends_quietly_by_sigpipe(many: Path) -> None:
+    """`pulsectl inspect P | head -3`: the reader took what it wanted. As git and coreutils
+    do, no message, and the process dies of SIGPIPE, so the shell (and `set -o pipefail`)
+    sees 141. This used to print 'output pipe closed before the output was complete', exit 1."""
+    store = many / "store"
+    assert sh(f"pulsectl -q publish {store} a.safetensors", many).returncode == 0
+    commands = [
+        "inspect p",
+        "inspect p --json",
+        "stats p",
+        "stats p --json",
+        "stats a.safetensors b.safetensors",
+        "hash a.safetensors b.safetensors",
+        f"log {store}",
+        f"log {store} --json",
+        "--version",
+        "--help",
+        "diff --help",
+    ]
+    for command in commands:
+        status, err = _closed_pipe(f"pulsectl {command}", many)
+        assert (status, err) == (141, b""), (command, err)
+    # A reader that goes away midway: `head` took 3 of 2000 lines (far more than a pipe holds).
+    save_file({"w": torch.zeros(4)}, many / "t.safetensors")
+    r = sh("pulsectl hash $(printf 't.safetensors %.0s' $(seq 2000)) | head -3", many)
+    assert (r.returncode, r.stderr, len(r.stdout.splitlines())) == (141, b"", 3), r.stderr
+    # Python's subprocess sees the signal itself, as with git.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([PULSECTL, "inspect", "p"], cwd=many, stdout=write_end, stderr=-1)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (-13, b"")
+
+
+def test_binary_output_into_a_closed_pipe_is_still_an_error(many: Path) -> None:
+    """A patch cut short is not what the reader wanted: one line, exit 1, as before."""
+    assert sh("pulsectl diff b.safetensors a.safetensors -o q", many).returncode == 0
+    for command in (
+        "diff a.safetensors b.safetensors",
+        "diff a.safetensors b.safetensors -o -",
+        "squash p q -o -",
+    ):
+        status, err = _closed_pipe(f"pulsectl {command}", many)
+        assert status == 1, (command, err)
+        assert one_error_line(err) == (
+            "pulsectl: error: output pipe closed before the patch was complete"
+        )
+    assert sorted(p.name for p in many.iterdir() if p.is_file()) == [
+        "a.safetensors",
+        "b.safetensors",
+        "p",
+        "q",
+    ]

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pulsectl.errors import OutputError, PulseError, UsageError
+from pulsectl.errors import OutputError, PulseError, ReaderGoneError, UsageError
 
 
 class Output:
@@ -113,6 +113,10 @@ class GuardedStdout:
     that every such failure, whoever writes (a command, rich, click's --help, print), ends as
     one line, and an OSError that reaches ``main`` is a bug.
 
+    A reader that goes away while text is written (``inspect P | head -3``) is the exception:
+    that raises ``ReaderGoneError``, which ends the run without a message (exit 141), as git
+    and coreutils end; once bytes (a patch) went out, a closed pipe is an error, as above.
+
     ``stream`` is the real stdout, or None where the process was started with stdout closed
     (Python then leaves ``sys.stdout`` None): a command that writes nothing there runs as
     usual.
@@ -169,7 +173,12 @@ class GuardedStdout:
             raise self.failed
 
     def _failed(self, exc: OSError, what: str = "the output") -> OutputError:
-        self.failed = stdout_failed(exc, what)
+        text = self.sent is None  # nothing binary (a patch) went out
+        if text and isinstance(exc, BrokenPipeError):
+            _silence_stdout()
+            self.failed = ReaderGoneError("the reader of standard output went away")
+        else:
+            self.failed = stdout_failed(exc, what)
         return self.failed
 
     def writable(self) -> bool:
@@ -203,10 +212,16 @@ class _GuardedBuffer:
             raise stdout_closed()
         self._text._check()
         self._text.sent = self._what  # an interrupt from now on leaves it incomplete
+        view = memoryview(data).cast("B")
+        size = len(view)
         try:
-            return int(self._raw.write(data))
+            # A large write that the reader leaves during returns short, without an error: the
+            # rest goes in another write, which fails, so no part of a patch is lost unsaid.
+            while view:
+                view = view[int(self._raw.write(view)) :]
         except OSError as exc:
             raise self._text._failed(exc, self._what) from exc
+        return size
 
     def flush(self) -> None:
         if self._raw is None:

@@ -27,7 +27,14 @@ from pulsectl.cli import squash as squash_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
 from pulsectl.cli._output import GuardedStdout, Output
-from pulsectl.errors import EXIT_ERROR, EXIT_USAGE, PulseError, UsageError, escape_controls
+from pulsectl.errors import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    PulseError,
+    ReaderGoneError,
+    UsageError,
+    escape_controls,
+)
 
 EXIT_INTERRUPTED = 130
 
@@ -36,7 +43,8 @@ app = typer.Typer(
     help=(
         "Lossless, compact diffs of safetensors checkpoints.\n\n"
         "Exit codes: 0 ok, 1 error, 2 usage, 3 integrity (wrong base, damaged patch, "
-        "fingerprint mismatch), 130 interrupted."
+        "fingerprint mismatch), 130 interrupted, 141 the reader of text output went away "
+        "(| head; no message, as git)."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -150,6 +158,8 @@ def _main(args: list[str], written: list[Path]) -> int:
         code = result if isinstance(result, int) else 0
         if code == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into a silent Exit(130)
             sys.stderr.write(f"pulsectl: error: {_interrupted_line(written)}\n")
+    except ReaderGoneError as exc:  # `| head` took what it wanted: no message, as git
+        code = exc.exit_code
     except PulseError as exc:
         if _wants_traceback(args):
             traceback.print_exc()
@@ -187,7 +197,9 @@ def _main(args: list[str], written: list[Path]) -> int:
     try:
         sys.stdout.flush()  # what is left in the buffer (click's --help)
     except PulseError as exc:  # one line for the first error only
-        if code == 0:
+        if code == 0 and isinstance(exc, ReaderGoneError):
+            code = exc.exit_code
+        elif code == 0:
             if _wants_traceback(args):
                 traceback.print_exc()
             sys.stderr.write(f"pulsectl: error: {exc.message}\n")

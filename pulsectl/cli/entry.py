@@ -3,10 +3,14 @@ that arrives later (one line, exit 130) instead of a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import sys
+from collections.abc import Callable
+
+EXIT_PIPE = 141  # pulsectl.errors.EXIT_PIPE, not imported here: this module loads first
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -90,4 +94,23 @@ def run() -> None:
     # The modules just loaded live as long as the process: keep the cyclic garbage collector
     # from walking them again at each collection (perf: ~2% of a 1 GB diff).
     gc.freeze()
-    sys.exit(main())
+    code = main()
+    if code == EXIT_PIPE:
+        _die_of_sigpipe(_prehash.stop)
+    sys.exit(code)
+
+
+def _die_of_sigpipe(before: Callable[[], None]) -> None:
+    """End as git and coreutils do when the reader of their text output goes away (`| head`):
+    killed by SIGPIPE, which Python ignores, so the shell reports 141 and a parent sees the
+    signal. ``before`` runs first (what ``atexit`` would have run: the hashing child's end);
+    everything else was cleaned up before ``main`` returned. Exit 141 where there is no
+    SIGPIPE."""
+    before()
+    sigpipe = getattr(signal, "SIGPIPE", None)
+    if sigpipe is not None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+            signal.signal(sigpipe, signal.SIG_DFL)
+            os.kill(os.getpid(), sigpipe)
+    sys.exit(EXIT_PIPE)
