@@ -127,11 +127,13 @@ def apply_patches(
         )
     if in_place:
         if out is not None and Path(out).resolve() != base_path.resolve():
-            raise UsageError("--in-place writes to BASE; do not give -o as well")
+            raise UsageError(
+                "--in-place writes to BASE; do not give -o as well", option="--in-place"
+            )
         out_path = base_path
     else:
         if out is None:
-            raise UsageError("give -o OUT, or --in-place to update BASE")
+            raise UsageError("give -o OUT, or --in-place to update BASE", option="-o")
         out_path = Path(out)  # drops a trailing '/': see file_path below
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")

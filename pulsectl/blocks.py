@@ -27,10 +27,12 @@ from pulsectl.stats import layer_index
 def block_groups(names: list[str], n: int) -> list[tuple[str, list[str]]]:
     """``(label, tensor names)`` for ``n`` groups of consecutive layers, then the rest."""
     if n < 1:
-        raise UsageError("--blocks needs at least 1 block")
+        raise UsageError("--blocks needs at least 1 block", option="--blocks")
     layers = sorted({i for i in map(layer_index, names) if i is not None})
     if len(layers) < n:
-        raise UsageError(f"--blocks {n}: the checkpoint has only {len(layers)} layers")
+        raise UsageError(
+            f"--blocks {n}: the checkpoint has only {len(layers)} layers", option="--blocks"
+        )
     groups: list[tuple[str, list[str]]] = []
     for b in range(n):
         chunk = set(layers[b * len(layers) // n : (b + 1) * len(layers) // n])

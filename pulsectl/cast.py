@@ -89,14 +89,16 @@ _BF16_NAN_FROM_F16 = 0x7FC0  # torch's F16 -> BF16 kernel (c10::BFloat16(float))
 Progress = Callable[[int, int], None]
 
 
-def target_dtype(to: str) -> str:
-    """The safetensors dtype for a target name (``bf16`` -> ``BF16``); UsageError if unknown."""
+def target_dtype(to: str, option: str | None = None) -> str:
+    """The safetensors dtype for a target name (``bf16`` -> ``BF16``); UsageError if unknown,
+    naming ``option`` (``--as``) where the name came from one."""
     try:
         return TARGETS[to.lower()]
     except KeyError:
-        raise UsageError(
-            f"unknown cast target {to!r}; choose one of {', '.join(TARGETS)}"
-        ) from None
+        choose = f"choose one of {', '.join(TARGETS)}"
+        if option is None:
+            raise UsageError(f"unknown cast target {to!r}; {choose}") from None
+        raise UsageError(f"{option} {to!r}: unknown cast target; {choose}", option=option) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def run_demo(
     which must be a new or empty folder (the demo writes a chain, patches and a rebuilt
     checkpoint there, and replaces no file of the user's)."""
     if shape not in PRESETS:
-        raise UsageError(f"--shape {shape!r}: choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"--shape {shape!r}: choose one of {', '.join(PRESETS)}", option="--shape")
     if keep is not None:
         if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
             what = "is not a folder" if not keep.is_dir() else "is a folder that is not empty"

@@ -38,16 +38,20 @@ def resolve(spec: str) -> str | None:
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {spec}: torch sees no CUDA device here; use cpu or auto")
+            raise UsageError(
+                f"--device {spec}: torch sees no CUDA device here; use cpu or auto",
+                option="--device",
+            )
         index = spec[5:]
         count = torch.cuda.device_count()
         if spec != "cuda" and not (index.isdigit() and int(index) < count):
             raise UsageError(
                 f"--device {spec}: torch sees {count} CUDA device(s) here, cuda:0 to "
-                f"cuda:{count - 1}"
+                f"cuda:{count - 1}",
+                option="--device",
             )
         return spec
-    raise UsageError(f"--device {spec!r}: give auto, cpu or cuda[:N]")
+    raise UsageError(f"--device {spec!r}: give auto, cpu or cuda[:N]", option="--device")
 
 
 def _nvidia_driver() -> bool:

@@ -8,6 +8,7 @@ Exit codes (documented in docs/GUARANTEES.md and README.md):
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -63,9 +64,20 @@ class PulseError(Exception):
 
 
 class UsageError(PulseError):
-    """The command line asks for something that cannot be done (exit 2)."""
+    """The command line asks for something that cannot be done (exit 2).
+
+    ``option`` names the option (``"--level"``) when the error is about its value, or about
+    options that do not go together: the CLI then ends the line with the parser's hint
+    (``try 'pulsectl diff -h' for help``), as for a value the parser refuses. The message
+    names the option itself. ``help_command`` is set by the CLI to the command's path.
+    """
 
     exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, *, option: str | None = None, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.option = option
+        self.help_command: str | None = None
 
 
 class InputError(PulseError):

@@ -124,7 +124,7 @@ def verify_checkpoint(
 ) -> str:
     """Check that ``checkpoint`` is ``patch``'s target (or has ``fingerprint``); returns it."""
     if (patch is None) == (fingerprint is None):
-        raise UsageError("give exactly one of --patch and --hash")
+        raise UsageError("give exactly one of --patch and --hash", option="--patch")
     if patch is not None:
         info = read_patch_info(patch)
         if info.header.scope == "tensors":
@@ -135,7 +135,9 @@ def verify_checkpoint(
         assert fingerprint is not None
         expected = fingerprint.strip().lower()
         if len(expected) != 32 or any(c not in "0123456789abcdef" for c in expected):
-            raise UsageError(f"--hash {fingerprint!r} is not a 32-digit hex fingerprint")
+            raise UsageError(
+                f"--hash {fingerprint!r} is not a 32-digit hex fingerprint", option="--hash"
+            )
         what = "the expected fingerprint"
     actual = fingerprint_of(Checkpoint.open(checkpoint))
     if actual != expected:

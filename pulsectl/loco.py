@@ -155,7 +155,9 @@ class SparseUpdate:
 def visible_words(x: np.ndarray, visible: str = DEFAULT_VISIBLE) -> np.ndarray:
     """The words of ``x`` (float32) cast to the receivers' precision, round to nearest even."""
     if visible not in VISIBLE:
-        raise UsageError(f"unknown --visible {visible!r}; choose one of {', '.join(VISIBLE)}")
+        raise UsageError(
+            f"--visible {visible!r}: choose one of {', '.join(VISIBLE)}", option="--visible"
+        )
     return cast_words(np.ascontiguousarray(x, dtype=np.float32), _F32, visible)
 
 
@@ -284,7 +286,7 @@ def check_outer(lr: float, beta: float) -> tuple[np.float32, np.float32]:
         if not ok:
             shown, shown32 = _number(float(value)), _number(float(value32))
             rounded = f" (it is {shown32} in FP32)" if shown32 != shown else ""
-            raise UsageError(f"{option} {shown}: the outer {what}{rounded}")
+            raise UsageError(f"{option} {shown}: the outer {what}{rounded}", option=option)
     return lr32, beta32
 
 
@@ -593,9 +595,13 @@ def step_files(
     """
     out = file_path(out)
     if plain and momentum_path is not None:
-        raise UsageError("--plain averages without momentum; do not give --momentum")
+        raise UsageError(
+            "--plain averages without momentum; do not give --momentum", option="--plain"
+        )
     if not plain and momentum_path is None:
-        raise UsageError("give --momentum FILE (created if missing), or --plain")
+        raise UsageError(
+            "give --momentum FILE (created if missing), or --plain", option="--momentum"
+        )
     check_outer(lr, beta)
     momentum_path = None if momentum_path is None else file_path(momentum_path, "momentum")
     roles = [("--global", Path(global_path), False), ("--update", Path(update_path), False)]

@@ -544,9 +544,9 @@ def parse_ks(text: str) -> tuple[int, ...]:
     try:
         ks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
     except ValueError:
-        raise UsageError(f"--k {text!r}: give positive integers separated by commas") from None
+        ks = ()
     if not ks or ks[0] < 1:
-        raise UsageError(f"--k {text!r}: give positive integers separated by commas")
+        raise UsageError(f"--k {text!r}: give positive integers separated by commas", option="--k")
     return ks
 
 

@@ -225,7 +225,7 @@ def test_cli_cast_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     save_safetensors(tmp_path / "in.safetensors", _mixed_tensors())
     args = ["cast", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "o")]
     assert main([*args, "--to", "int4"]) == 2
-    assert "pulsectl: error: unknown cast target 'int4'" in capsys.readouterr().err
+    assert "pulsectl: error: --to 'int4': unknown cast target;" in capsys.readouterr().err
     assert main(args) == 0
     assert main(args) == 1
     assert "exists; pass -f to overwrite" in capsys.readouterr().err

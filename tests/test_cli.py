@@ -269,6 +269,82 @@ def test_library_usage_errors_exit_2(
     assert not list(tmp_path.glob(TEMP_GLOB))
 
 
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["diff", "--level", "30", "a", "b"], "--level '30': give 1..22 or 'max'"),
+        (["squash", "p", "q", "-o", "r", "--level", "x"], "--level 'x': give 1..22 or 'max'"),
+        (
+            ["diff", "a", "b", "--as", "int8"],
+            "--as 'int8': unknown cast target; choose one of bf16, f16, f8_e4m3, f8_e5m2",
+        ),
+        (
+            ["stats", "a", "b", "--as", "int8"],
+            "--as 'int8': unknown cast target; choose one of bf16, f16, f8_e4m3, f8_e5m2",
+        ),
+        (
+            ["publish", "x", "y", "--as", "int8"],
+            "--as 'int8': unknown cast target; choose one of bf16, f16, f8_e4m3, f8_e5m2",
+        ),
+        (
+            ["cast", "a", "-o", "c", "--to", "int8"],
+            "--to 'int8': unknown cast target; choose one of bf16, f16, f8_e4m3, f8_e5m2",
+        ),
+        (
+            ["stats", "a", "b", "c", "--k", "x"],
+            "--k 'x': give positive integers separated by commas",
+        ),
+        (
+            ["publish", "x", "y", "--max-patch-fraction", "2"],
+            "--max-patch-fraction 2.0: give a value in (0, 1]",
+        ),
+        (["pull", "x", "-o", "c", "--step", "abc"], "--step 'abc': give a step number or 'latest'"),
+        (
+            ["demo", "--shape", "huge"],
+            "--shape 'huge': choose one of tiny, small, qwen2.5-0.5b, qwen2.5-7b",
+        ),
+        (["diff", "a", "b", "--device", "tpu"], "--device 'tpu': give auto, cpu or cuda[:N]"),
+        (["verify", "a", "--hash", "xyz"], "--hash 'xyz' is not a 32-digit hex fingerprint"),
+        (["verify", "a"], "give exactly one of --patch and --hash"),
+        (["apply", "a", "p"], "give -o OUT, or --in-place to update BASE"),
+        (
+            ["diff", "a", "b", "--blocks", "2"],
+            "--blocks writes several files: give -o PATCH (not stdout)",
+        ),
+        (
+            ["prune", "x", "--keep-anchors", "0", "--keep-steps", "0"],
+            "--keep-anchors 0 --keep-steps 0 would delete every step; keep at least one",
+        ),
+        (
+            ["loco", "encode", "-g", "g", "-l", "w", "-r", "r", "-o", "o", "--visible", "f32"],
+            "--visible 'f32': choose one of bf16, f16, f8_e4m3",
+        ),
+        (
+            ["loco", "step", "-g", "g", "-u", "u", "-o", "o", "--plain", "--lr", "0"],
+            "--lr 0: the outer learning rate must be finite and > 0",
+        ),
+    ],
+)
+def test_option_values_checked_by_commands_are_usage_errors_with_the_hint(
+    argv: list[str],
+    line: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A value the parser cannot judge (a level, a cast target, a list of k), or options that
+    do not go together, checked by the command before anything is read or written: the line
+    names the option and ends with the parser's hint, exit 2. These lacked the hint; `--as`
+    was not named."""
+    monkeypatch.chdir(tmp_path)  # no input exists; nothing may be made
+    assert main(argv) == 2, argv
+    assert list(tmp_path.iterdir()) == []
+    command = f"loco {argv[1]}" if argv[0] == "loco" else argv[0]
+    assert _error_line(capsys.readouterr().err) == (
+        f"pulsectl: error: {line}; try 'pulsectl {command} -h' for help"
+    )
+
+
 def test_diff_refuses_a_terminal(
     pair: tuple[Path, Path, Path],
     monkeypatch: pytest.MonkeyPatch,

@@ -398,7 +398,7 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     )
     assert not r.exists()
     assert main([*args[:-2], "-o", str(tmp_path / "p"), "--visible", "f7"]) == 2
-    assert "unknown --visible 'f7'" in capsys.readouterr().err
+    assert "--visible 'f7': choose one of bf16, f16, f8_e4m3;" in capsys.readouterr().err
     assert main(["loco", "reduce", str(gp), "-o", str(tmp_path / "avg")]) == 1
     assert "not a .pulse patch" in capsys.readouterr().err
 

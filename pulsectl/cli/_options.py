@@ -39,3 +39,11 @@ def device_option(what: str) -> Any:
 
 
 FindDevice = Annotated[str, device_option("changed words are found")]
+
+
+def check_cast_target(value: str | None, option: str = "--as") -> None:
+    """Refuse an unknown cast target (``--as int8``) before any work, naming the option."""
+    if value is not None:
+        from pulsectl.cast import target_dtype
+
+        target_dtype(value, option=option)

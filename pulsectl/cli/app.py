@@ -26,6 +26,7 @@ from pulsectl.cli import pull as pull_cmd
 from pulsectl.cli import squash as squash_cmd
 from pulsectl.cli import stats as stats_cmd
 from pulsectl.cli import verify as verify_cmd
+from pulsectl.cli._command import Command, help_command
 from pulsectl.cli._output import GuardedStdout, Output
 from pulsectl.errors import (
     EXIT_ERROR,
@@ -82,19 +83,19 @@ def _global(
     ctx.obj = Output(quiet=quiet, verbose=verbose)
 
 
-app.command("diff")(diff_cmd.diff)
-app.command("apply")(apply_cmd.apply)
-app.command("hash")(hash_cmd.hash_)
-app.command("verify")(verify_cmd.verify)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("squash")(squash_cmd.squash)
-app.command("demo")(demo_cmd.demo)
-app.command("cast")(cast_cmd.cast)
-app.command("stats")(stats_cmd.stats)
-app.command("publish")(publish_cmd.publish)
-app.command("pull")(pull_cmd.pull)
-app.command("log")(log_cmd.log)
-app.command("prune")(prune_cmd.prune)
+app.command("diff", cls=Command)(diff_cmd.diff)
+app.command("apply", cls=Command)(apply_cmd.apply)
+app.command("hash", cls=Command)(hash_cmd.hash_)
+app.command("verify", cls=Command)(verify_cmd.verify)
+app.command("inspect", cls=Command)(inspect_cmd.inspect)
+app.command("squash", cls=Command)(squash_cmd.squash)
+app.command("demo", cls=Command)(demo_cmd.demo)
+app.command("cast", cls=Command)(cast_cmd.cast)
+app.command("stats", cls=Command)(stats_cmd.stats)
+app.command("publish", cls=Command)(publish_cmd.publish)
+app.command("pull", cls=Command)(pull_cmd.pull)
+app.command("log", cls=Command)(log_cmd.log)
+app.command("prune", cls=Command)(prune_cmd.prune)
 app.add_typer(loco_cmd.app, name="loco")
 
 
@@ -163,7 +164,8 @@ def _main(args: list[str], written: list[Path]) -> int:
     except PulseError as exc:
         if _wants_traceback(args):
             traceback.print_exc()
-        sys.stderr.write(f"pulsectl: error: {exc.message}\n")
+        hint = exc.help_command if isinstance(exc, UsageError) else None
+        sys.stderr.write(f"pulsectl: error: {_with_hint(exc.message, hint)}\n")
         code = exc.exit_code
     except typer.Exit as exc:
         code = exc.exit_code
@@ -248,9 +250,12 @@ def _parser_error(exc: typer.TyperException) -> str:
     if text[1:2].islower():  # "Invalid value ..." reads as the rest of pulsectl's lines
         text = text[:1].lower() + text[1:]
     ctx = getattr(exc, "ctx", None)
-    if ctx is not None and ctx.command.get_help_option(ctx) is not None:
-        return f"{text}; try '{ctx.command_path} {ctx.help_option_names[0]}' for help"
-    return f"{text}; try 'pulsectl -h' for help"
+    return _with_hint(text, (help_command(ctx) if ctx is not None else None) or "pulsectl -h")
+
+
+def _with_hint(message: str, command: str | None) -> str:
+    """A usage error's line, ending in the hint to run ``command`` (where there is one)."""
+    return message if command is None else f"{message}; try '{command}' for help"
 
 
 def _interrupted(exc: BaseException) -> bool:

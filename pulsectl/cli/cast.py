@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pulsectl._names import CAST_TARGETS
-from pulsectl.cli._options import Checkpoint, Force
+from pulsectl.cli._options import Checkpoint, Force, check_cast_target
 from pulsectl.cli._output import Output
 
 
@@ -31,6 +31,7 @@ def cast(
     from pulsectl.cast import cast_checkpoint
 
     out: Output = ctx.obj
+    check_cast_target(to, "--to")
     with out.progress("cast") as progress:
         summary = cast_checkpoint(checkpoint, output, to=to, force=force, progress=progress)
     out.info(

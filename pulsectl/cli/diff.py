@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from pulsectl._names import DEFAULT_LEVEL, MAX_LEVEL, MAX_PRESET_LEVEL
-from pulsectl.cli._options import FindDevice, Force, Fsync, NewCheckpoint, OldCheckpoint, Workers
+from pulsectl.cli._options import (
+    FindDevice,
+    Force,
+    Fsync,
+    NewCheckpoint,
+    OldCheckpoint,
+    Workers,
+    check_cast_target,
+)
 from pulsectl.cli._output import Output, binary_stdout, smaller_than
 from pulsectl.errors import UsageError
 
@@ -86,6 +94,7 @@ def diff(
     from pulsectl.device import resolve
 
     out: Output = ctx.obj
+    check_cast_target(as_dtype)
     options = dataclasses.replace(
         parse_level(level, workers or default_workers()),
         tensors=tuple(tensors or ()),
@@ -99,9 +108,13 @@ def diff(
         file_path(output, "patch")  # 'runs/': refused before any work (--as casts first)
     if blocks is not None:
         if stdout:
-            raise UsageError("--blocks writes several files: give -o PATCH (not stdout)")
+            raise UsageError(
+                "--blocks writes several files: give -o PATCH (not stdout)", option="--blocks"
+            )
         if options.selecting:
-            raise UsageError("--blocks chooses the tensors itself; drop --tensors/--exclude")
+            raise UsageError(
+                "--blocks chooses the tensors itself; drop --tensors/--exclude", option="--blocks"
+            )
     elif stdout:
         binary_stdout()  # refuse a terminal before any work
     if as_dtype is None:
@@ -179,5 +192,5 @@ def parse_level(level: str, workers: int) -> DiffOptions:
     except ValueError:
         value = 0
     if not 1 <= value <= MAX_LEVEL:
-        raise UsageError(f"--level {level!r}: give 1..{MAX_LEVEL} or 'max'")
+        raise UsageError(f"--level {level!r}: give 1..{MAX_LEVEL} or 'max'", option="--level")
     return DiffOptions(level=value, workers=workers)

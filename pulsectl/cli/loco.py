@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from pulsectl.cli._command import Command
 from pulsectl.cli._options import Force, JsonFlag
 from pulsectl.cli._output import Output, smaller_than
 
@@ -24,7 +25,7 @@ app = typer.Typer(
 _VISIBLE_HELP = "Receiver precision of the gate: bf16, f16 or f8_e4m3."
 
 
-@app.command("encode")
+@app.command("encode", cls=Command)
 def encode(
     ctx: typer.Context,
     global_: Annotated[
@@ -72,7 +73,7 @@ def encode(
     )
 
 
-@app.command("reduce")
+@app.command("reduce", cls=Command)
 def reduce(
     ctx: typer.Context,
     patches: Annotated[
@@ -102,7 +103,7 @@ def reduce(
     )
 
 
-@app.command("step")
+@app.command("step", cls=Command)
 def step(
     ctx: typer.Context,
     global_: Annotated[

@@ -13,7 +13,7 @@ from pulsectl._names import (
     DEFAULT_LEVEL,
     DEFAULT_MAX_PATCH_FRACTION,
 )
-from pulsectl.cli._options import Checkpoint, Workers
+from pulsectl.cli._options import Checkpoint, Workers, check_cast_target
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
 from pulsectl.cli.diff import parse_level
@@ -83,6 +83,7 @@ def publish(
     from pulsectl.store.publish import publish as publish_step
 
     out: Output = ctx.obj
+    check_cast_target(as_dtype)
     options = PublishOptions(
         anchor_every=anchor_every,
         max_patch_fraction=max_patch_fraction,

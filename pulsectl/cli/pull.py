@@ -63,5 +63,5 @@ def parse_step(text: str) -> int | None:
     except ValueError:
         value = -1
     if value < 0:
-        raise UsageError(f"--step {text!r}: give a step number or 'latest'")
+        raise UsageError(f"--step {text!r}: give a step number or 'latest'", option="--step")
     return value

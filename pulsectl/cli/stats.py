@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from pulsectl._names import DEFAULT_KS
-from pulsectl.cli._options import FindDevice, Force, JsonFlag, Workers
+from pulsectl.cli._options import FindDevice, Force, JsonFlag, Workers, check_cast_target
 from pulsectl.cli._output import Output, smaller_than
 from pulsectl.errors import UsageError
 from pulsectl.errors import escape_controls as shown
@@ -71,6 +71,7 @@ def stats(
     )
 
     out: Output = ctx.obj
+    check_cast_target(as_dtype)
     if plot is not None:  # before any work: an existing file needs -f, an input never goes
         check_plot_target(plot, inputs, force)
     if len(inputs) == 1:
@@ -80,7 +81,10 @@ def stats(
                 "or a chain C0 C1 ... Cn"
             )
         if as_dtype is not None or k is not None:
-            raise UsageError("--as and --k need checkpoints, not a patch")
+            raise UsageError(
+                "--as and --k need checkpoints, not a patch",
+                option="--as" if as_dtype is not None else "--k",
+            )
         doc = patch_stats(inputs[0]).to_json()
     elif len(inputs) == 2 and k is None:
         doc = pair_stats(

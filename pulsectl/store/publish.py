@@ -94,15 +94,18 @@ def publish(
     say = log or (lambda _msg: None)
     store = store if isinstance(store, Store) else open_store(store)
     if options.anchor_every < 0:
-        raise UsageError(f"--anchor-every {options.anchor_every}: give 0 or more")
+        raise UsageError(
+            f"--anchor-every {options.anchor_every}: give 0 or more", option="--anchor-every"
+        )
     if not 0 < options.max_patch_fraction <= 1:
         raise UsageError(
-            f"--max-patch-fraction {options.max_patch_fraction}: give a value in (0, 1]"
+            f"--max-patch-fraction {options.max_patch_fraction}: give a value in (0, 1]",
+            option="--max-patch-fraction",
         )
     if options.cast is not None:
         from pulsectl.cast import target_dtype
 
-        target_dtype(options.cast)
+        target_dtype(options.cast, option="--as")
         # One spelling in the manifests: `--as BF16` and `--as bf16` are the same cast.
         options = dataclasses.replace(options, cast=options.cast.lower())
     source = Checkpoint.open(checkpoint)  # before the store folder is made: a bad input
@@ -123,12 +126,13 @@ def publish(
     if step is None:
         step = 0 if last is None else last.step + 1
     if step < 0:
-        raise UsageError(f"--step {step}: give 0 or more")
+        raise UsageError(f"--step {step}: give 0 or more", option="--step")
     if last is not None:
         if step <= last.step:
             raise UsageError(
                 f"--step {step}: the store's last step is {last.step}; steps are immutable, "
-                f"publish a later step (default {last.step + 1})"
+                f"publish a later step (default {last.step + 1})",
+                option="--step",
             )
         if last.layout != source.layout:
             raise UsageError(
@@ -138,7 +142,8 @@ def publish(
         if (last.cast or "").lower() != (options.cast or ""):
             want = f"--as {last.cast}" if last.cast else "no --as"
             raise UsageError(
-                f"{store.url} holds {last.cast or 'uncast'} checkpoints; publish with {want}"
+                f"{store.url} holds {last.cast or 'uncast'} checkpoints; publish with {want}",
+                option="--as",
             )
 
     cache = options.cache_dir or default_cache_dir(store)
@@ -147,7 +152,8 @@ def publish(
     ):
         raise UsageError(
             f"--cache {cache}: is inside the store {store.url}, whose objects are never "
-            "rewritten (the cache is, at every publish): give a folder outside it"
+            "rewritten (the cache is, at every publish): give a folder outside it",
+            option="--cache",
         )
     try:
         cache.mkdir(parents=True, exist_ok=True)
