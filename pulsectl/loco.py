@@ -593,6 +593,9 @@ def step_files(
     ``update_path`` is a loco patch or a safetensors file of F32 tensors. A missing momentum
     file starts as torch does (the first buffer is the update itself).
     """
+    # The values given first, then the choice between --momentum and --plain (as the parser
+    # judges the options given before the ones missing); all before any file is read.
+    check_outer(lr, beta)
     out = file_path(out)
     if plain and momentum_path is not None:
         raise UsageError(
@@ -602,7 +605,6 @@ def step_files(
         raise UsageError(
             "give --momentum FILE (created if missing), or --plain", option="--momentum"
         )
-    check_outer(lr, beta)
     momentum_path = None if momentum_path is None else file_path(momentum_path, "momentum")
     roles = [("--global", Path(global_path), False), ("--update", Path(update_path), False)]
     if momentum_path is not None:

@@ -608,27 +608,37 @@ def test_the_residual_and_momentum_are_read_and_rewritten_round_after_round(
         ("--beta", "0.99999999999", "must be in [0, 1) (it is 1 in FP32"),
     ],
 )
-@pytest.mark.parametrize("plain", [False, True])
+@pytest.mark.parametrize("state", ["momentum", "plain", "neither", "both"])
 def test_step_refuses_a_learning_rate_or_momentum_out_of_range(
     round_files: dict[str, Path],
     capsys: pytest.CaptureFixture[str],
     option: str,
     value: str,
     message: str,
-    plain: bool,
+    state: str,
 ) -> None:
     """Found in review: `loco step --lr nan` made every weight NaN, and `--lr -5 --beta 7` was
     taken, all with exit 0. The outer step is Nesterov SGD (docs/LOCO.md): lr > 0, momentum in
     [0, 1), both finite as the FP32 values they are rounded to. Refused before any read, also
-    with --plain (which does not use them: a bad value is still a mistake)."""
+    with --plain (which does not use them: a bad value is still a mistake), and before
+    anything else, as docs/LOCO.md says: `--lr 1e-50` without --momentum or --plain (or with
+    both) used to be told about those instead. The line ends with the -h hint."""
     f = round_files
     folder = f["G"].parent
     before = _snapshot(folder)
-    state = ["--plain"] if plain else ["-m", str(f["M"])]
-    args = ["loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), *state]
+    given = {
+        "momentum": ["-m", str(f["M"])],
+        "plain": ["--plain"],
+        "neither": [],
+        "both": ["--plain", "-m", str(f["M"])],
+    }[state]
+    args = ["loco", "step", "-g", str(f["G"]), "-u", str(f["AVG"]), *given]
     assert main([*args, "-o", str(folder / "G2.safetensors"), option, value]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+    assert err.startswith("pulsectl: error: ") and err.endswith(
+        "; try 'pulsectl loco step -h' for help\n"
+    ), err
     assert _snapshot(folder) == before
     with pytest.raises(UsageError, match=option):
         loco.outer_step({}, {}, **{option[2:]: float(value)})  # type: ignore[arg-type]
