@@ -149,12 +149,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         assert out.startswith(f"pulsectl {__version__} (codec loops: numpy (")
     else:
         level = _fast.native.simd(None)
-        assert level in _fast.SIMD_LEVELS
+        assert level in _fast.SIMD_LEVELS  # re-exported from pulsectl._env
         assert out == f"pulsectl {__version__} (codec loops: compiled, {level})\n"
 
 
 @pytest.mark.parametrize(
-    ("name", "default"), [("PULSECTL_PREHASH", "on"), ("PULSECTL_PURE_PYTHON", "off")]
+    ("name", "default"),
+    [
+        ("PULSECTL_PREHASH", "on"),
+        ("PULSECTL_PURE_PYTHON", "off"),
+        ("PULSECTL_NO_AVX512", "off"),
+        ("PULSECTL_DEBUG", "off"),
+    ],
 )
 def test_a_switch_in_the_environment_takes_1_0_or_nothing(
     name: str,
@@ -179,6 +185,31 @@ def test_a_switch_in_the_environment_takes_1_0_or_nothing(
         assert not out.exists()
     for value in ("1", "0", ""):
         monkeypatch.setenv(name, value)
+        assert main([*argv, "-f"]) == 0, value
+        assert capsys.readouterr().err == ""
+
+
+def test_pulsectl_simd_takes_a_level_or_nothing(
+    chain: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A PULSECTL_SIMD the loops do not know used to be a warning, and the run went on with
+    the best loops; in the CLI it is a usage error like the switches' (the library still warns:
+    test_speedups)."""
+    out = tmp_path / "p.pulse"
+    argv = ["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(out)]
+    for value in ("sse9", "AVX2", "avx2 "):
+        monkeypatch.setenv("PULSECTL_SIMD", value)
+        assert main(argv) == 2, value
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: environment variable PULSECTL_SIMD={value!r}: give avx512, avx2 "
+            "or portable, or unset it (the most this CPU has)"
+        )
+        assert not out.exists()
+    for value in ("avx512", "avx2", "portable", ""):
+        monkeypatch.setenv("PULSECTL_SIMD", value)
         assert main([*argv, "-f"]) == 0, value
         assert capsys.readouterr().err == ""
 

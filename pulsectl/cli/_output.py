@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pulsectl._env import switch
 from pulsectl.errors import OutputError, PulseError, ReaderGoneError, UsageError
 
 
@@ -31,7 +32,7 @@ class Output:
     def error(self, exc: PulseError) -> None:
         """An error that ends one part of a command, not the command (one of several inputs):
         the line ``main`` prints for an error that ends it, with the traceback under -v."""
-        if self.verbose or os.environ.get("PULSECTL_DEBUG", "") not in ("", "0"):
+        if self.verbose or switch("PULSECTL_DEBUG"):
             traceback.print_exception(exc)
         sys.stderr.write(f"pulsectl: error: {exc.message}\n")
 

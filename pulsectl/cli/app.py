@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from pulsectl import __version__, _placed
+from pulsectl._env import switch
 from pulsectl.cli import apply as apply_cmd
 from pulsectl.cli import cast as cast_cmd
 from pulsectl.cli import demo as demo_cmd
@@ -100,9 +101,7 @@ app.add_typer(loco_cmd.app, name="loco")
 
 
 def _wants_traceback(argv: list[str]) -> bool:
-    return os.environ.get("PULSECTL_DEBUG", "") not in ("", "0") or any(
-        a in ("-v", "--verbose") for a in argv
-    )
+    return bool(switch("PULSECTL_DEBUG")) or any(a in ("-v", "--verbose") for a in argv)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -227,18 +226,14 @@ def _interrupted_line(written: list[Path]) -> str:
 
 
 def _check_environment() -> None:
-    """Refuse a PULSECTL_* switch set to a value it does not take (`PULSECTL_PREHASH=no`),
+    """Refuse a PULSECTL_* setting with a value it does not take (`PULSECTL_PREHASH=no`),
     which would otherwise be taken silently for one it does."""
-    from pulsectl._env import SWITCHES, bad_switch
+    from pulsectl._env import bad_setting
 
-    bad = bad_switch()
+    bad = bad_setting()
     if bad is not None:
-        name, value = bad
-        default = "on" if SWITCHES[name] else "off"
-        raise UsageError(
-            f"environment variable {name}={value!r}: give 1 (on) or 0 (off), or unset it "
-            f"({default} by default)"
-        )
+        name, value, what = bad
+        raise UsageError(f"environment variable {name}={value!r}: {what}")
 
 
 def _parser_error(exc: typer.TyperException) -> str:

@@ -18,10 +18,8 @@ import os
 import sys
 from types import ModuleType
 
-from pulsectl._env import switch
+from pulsectl._env import SIMD_LEVELS, simd_level, switch
 from pulsectl.errors import CorruptPatchError
-
-SIMD_LEVELS = ("avx512", "avx2", "portable")  # PULSECTL_SIMD's values, most first
 
 
 def _load() -> ModuleType | None:
@@ -41,15 +39,15 @@ def _load() -> ModuleType | None:
     except ImportError:
         return None
     _speedups.set_corrupt_error(CorruptPatchError)
-    level = os.environ.get("PULSECTL_SIMD", "")
-    if level not in ("", *SIMD_LEVELS):
+    level = simd_level()
+    if level is None:  # the CLI refuses it before a command runs (cli.app._check_environment)
         print(
-            f"pulsectl: warning: PULSECTL_SIMD={level!r} is not one of "
+            f"pulsectl: warning: PULSECTL_SIMD={os.environ['PULSECTL_SIMD']!r} is not one of "
             f"{', '.join(SIMD_LEVELS)}; ignored",
             file=sys.stderr,
         )
         level = ""
-    if not level and os.environ.get("PULSECTL_NO_AVX512", "") not in ("", "0"):
+    if not level and switch("PULSECTL_NO_AVX512"):
         level = "avx2"
     if level:
         _speedups.simd(level)
