@@ -979,9 +979,10 @@ def _decode(
     if device is not None:
         from pulsectl.device import apply_moves
 
-        out = apply_moves(old, moves[0], moves[1], word, device)
-        pool.give(old)
-        return out
+        moved = apply_moves(old, moves[0], moves[1], word, device)
+        if moved is not None:  # else the device `auto` chose failed: scatter on the host
+            pool.give(old)
+            return moved
     add_moves(old, moves[0], moves[1], word)  # in place: its base fingerprint is already taken
     return old
 

@@ -4,19 +4,33 @@ The CPU path is numpy and never imports torch. With a device, the comparison and
 compaction of changed positions run in torch on that device and only the positions come back;
 the codecs then work on the host exactly as on the CPU path, so the patch bytes are identical
 (tests run this code with torch on the CPU).
+
+A device that ``auto`` chose may be busy: a training job on the same GPU holds its memory. A
+failure there (torch raises out-of-memory and CUDA errors as RuntimeError) is told once on
+stderr and the run goes on with the CPU path, which gives the same bytes; ``find_changes`` and
+``apply_moves`` then return None. A device asked for by name fails with a ``DeviceError``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from pulsectl.errors import UsageError
+from pulsectl.errors import DeviceError, UsageError
 
 _WORD_DTYPES: dict[int, Any] = {}
+_T = TypeVar("_T")
+# Devices that `auto` chose (resolve), and those of them that failed once (then the CPU path
+# does their work for the rest of the process).
+_CHOSEN: set[str] = set()
+_FAILED: set[str] = set()
+_failing = threading.Lock()
 
 
 def resolve(spec: str) -> str | None:
@@ -33,7 +47,7 @@ def resolve(spec: str) -> str | None:
             return None
         import torch
 
-        return "cuda" if torch.cuda.is_available() else None
+        return chosen("cuda") if torch.cuda.is_available() else None
     if spec == "cuda" or spec.startswith("cuda:"):
         import torch
 
@@ -54,22 +68,60 @@ def resolve(spec: str) -> str | None:
     raise UsageError(f"--device {spec!r}: give auto, cpu or cuda[:N]", option="--device")
 
 
+def chosen(device: str) -> str:
+    """``device``, marked as chosen by pulsectl rather than asked for by name (``auto``, or
+    where live tensors are): should it fail, the CPU path takes over."""
+    _CHOSEN.add(device)
+    return device
+
+
 def _nvidia_driver() -> bool:
     return Path("/proc/driver/nvidia").exists() or Path("/dev/nvidia0").exists()
 
 
-def find_changes(old: Any, new: Any, word: int, device: str) -> np.ndarray:
-    """Indices (int64, on the host) of the words that differ, computed with torch on ``device``.
+def find_changes(old: Any, new: Any, word: int, device: str) -> np.ndarray | None:
+    """Indices (int64, on the host) of the words that differ, computed with torch on ``device``;
+    None where a device that ``auto`` chose has failed (find them on the host).
 
     ``old`` and ``new`` are uint8 numpy arrays or torch tensors of equal length.
     """
-    import torch
 
-    if not _WORD_DTYPES:
-        _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-    a = _on(old, device).view(_WORD_DTYPES[word])
-    b = _on(new, device).view(_WORD_DTYPES[word])
-    return torch.nonzero(a != b).flatten().cpu().numpy()
+    def run() -> np.ndarray:
+        import torch
+
+        if not _WORD_DTYPES:
+            _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+        a = _on(old, device).view(_WORD_DTYPES[word])
+        b = _on(new, device).view(_WORD_DTYPES[word])
+        return torch.nonzero(a != b).flatten().cpu().numpy()
+
+    return _on_device(device, "finding changed words", run)
+
+
+def _on_device(device: str, what: str, run: Callable[[], _T]) -> _T | None:
+    """``run()``, or None where ``device`` was chosen by ``auto`` and has failed (now or
+    before); a DeviceError where it was asked for by name."""
+    if device in _FAILED:
+        return None
+    try:
+        return run()
+    except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if device not in _CHOSEN:
+            raise DeviceError(
+                f"--device {device}: {what} failed: {why}; use --device cpu (the same bytes) "
+                "or free the device's memory"
+            ) from exc
+        with _failing:
+            first = device not in _FAILED
+            _FAILED.add(device)
+        if first:
+            print(
+                f"pulsectl: warning: --device auto: {device} failed ({why}); {what} on the "
+                "CPU instead (the same bytes)",
+                file=sys.stderr,
+            )
+        return None
 
 
 def _on(x: Any, device: str) -> Any:
@@ -81,15 +133,21 @@ def _on(x: Any, device: str) -> Any:
 
 def apply_moves(
     old: np.ndarray, positions: np.ndarray, moved: np.ndarray, word: int, device: str
-) -> np.ndarray:
-    """``old`` with ``moved`` added at ``positions`` (words), the scatter done on ``device``."""
-    import torch
+) -> np.ndarray | None:
+    """``old`` with ``moved`` added at ``positions`` (words), the scatter done on ``device``;
+    None where a device that ``auto`` chose has failed (``old`` is then unchanged)."""
 
-    if not _WORD_DTYPES:
-        _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-    dtype = _WORD_DTYPES[word]
-    signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[word]
-    block = _on(old.copy(), device).view(dtype)
-    index = torch.from_numpy(positions).to(device)
-    block.index_add_(0, index, torch.from_numpy(moved.view(signed)).to(device))  # wraps
-    return block.view(torch.uint8).cpu().numpy()
+    def run() -> np.ndarray:
+        import torch
+
+        if not _WORD_DTYPES:
+            _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+        dtype = _WORD_DTYPES[word]
+        signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[word]
+        block = _on(old.copy(), device).view(dtype)
+        index = torch.from_numpy(positions).to(device)
+        block.index_add_(0, index, torch.from_numpy(moved.view(signed)).to(device))  # wraps
+        result: np.ndarray = block.view(torch.uint8).cpu().numpy()
+        return result
+
+    return _on_device(device, "scattering the changes", run)

@@ -100,6 +100,12 @@ class ReaderGoneError(OutputError):
     exit_code = EXIT_PIPE
 
 
+class DeviceError(PulseError):
+    """The torch device asked for by name (``--device cuda``) failed: out of memory (a
+    training job holds the GPU), or another CUDA error (exit 1). A device that ``auto`` chose
+    falls back to the CPU path instead, which writes the same bytes."""
+
+
 class IntegrityError(PulseError):
     """Bytes are not what a fingerprint or checksum says they must be (exit 3).
 

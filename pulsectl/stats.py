@@ -114,7 +114,8 @@ def _changes(old: np.ndarray, new: np.ndarray, word: int, device: str | None) ->
         return find_changes(old, new, word)
     from pulsectl.device import find_changes as find_on_device
 
-    return find_on_device(old, new, word, device)
+    found = find_on_device(old, new, word, device)
+    return find_changes(old, new, word) if found is None else found
 
 
 def word_delta_histogram(

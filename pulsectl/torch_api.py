@@ -206,7 +206,11 @@ def _options(level: Level, workers: int | None, *states: Mapping[str, torch.Tens
 
     workers = workers or default_workers()
     devices = {t.device for state in states for t in state.values()}
-    device = str(devices.pop()) if len(devices) == 1 and devices != {torch.device("cpu")} else None
+    device = None
+    if len(devices) == 1 and devices != {torch.device("cpu")}:
+        from pulsectl.device import chosen
+
+        device = chosen(str(devices.pop()))  # where the tensors are: the host path if it fails
     if level == "max":
         return DiffOptions(level=MAX_PRESET_LEVEL, context=True, workers=workers, device=device)
     return DiffOptions(level=int(level), workers=workers, device=device)

@@ -142,3 +142,70 @@ def test_resolve_checks_the_cuda_device_index(monkeypatch):
     for spec in ("cuda:2", "cuda:x", "cuda:", "cuda:-1", "cudafoo"):
         with pytest.raises(UsageError):
             resolve(spec)
+
+
+@pytest.fixture
+def busy_device(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Torch's device (the CPU here, standing for a GPU) fails as a full GPU does: every move
+    onto it raises torch's out-of-memory RuntimeError. Returns the list of failed moves."""
+    import pulsectl.device as dev
+
+    monkeypatch.setattr(dev, "_CHOSEN", set())
+    monkeypatch.setattr(dev, "_FAILED", set())
+    tries: list[str] = []
+
+    def full(x, device):
+        tries.append(device)
+        raise RuntimeError("CUDA out of memory. Tried to allocate 16.00 MiB\nmore detail")
+
+    monkeypatch.setattr(dev, "_on", full)
+    return tries
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_a_device_auto_chose_that_fails_falls_back_to_the_host(
+    chain, tmp_path: Path, busy_device: list[str], capsys: pytest.CaptureFixture[str], context
+):
+    """`--device auto` picks the GPU that a training job may fill: out of memory there used to
+    end the diff with an internal error. The device `auto` chose now hands the work to the host
+    path (same bytes), says so once, and is not tried again."""
+    from pulsectl.device import chosen
+
+    a, b = chain[0], chain[2]
+    want = io.BytesIO()
+    diff_checkpoints(a, b, want, options=DiffOptions(workers=2, context=context))
+    capsys.readouterr()
+    got = io.BytesIO()
+    device = chosen("cpu")
+    diff_checkpoints(a, b, got, options=DiffOptions(workers=2, context=context, device=device))
+    assert got.getvalue() == want.getvalue()
+    err = capsys.readouterr().err
+    assert err == (
+        "pulsectl: warning: --device auto: cpu failed (CUDA out of memory. Tried to allocate "
+        "16.00 MiB); finding changed words on the CPU instead (the same bytes)\n"
+    )
+    assert len(busy_device) == 1  # not tried again after the first failure
+    assert pair_stats(a, b, device=device).to_json() == pair_stats(a, b).to_json()
+    import pulsectl.device as dev
+    from pulsectl.apply import apply_patches
+
+    dev._FAILED.clear()  # apply in a process of its own: its scatter fails first
+    patch = tmp_path / "p.pulse"
+    patch.write_bytes(want.getvalue())
+    apply_patches(a, [patch], tmp_path / "out.safetensors", device=device)
+    assert (tmp_path / "out.safetensors").read_bytes() == b.read_bytes()
+    assert len(busy_device) == 2
+    assert "scattering the changes on the CPU instead" in capsys.readouterr().err
+
+
+def test_a_device_asked_for_by_name_that_fails_is_one_error(chain, busy_device: list[str]):
+    """Asked for by name (`--device cuda`), a device that fails is a DeviceError naming it and
+    the fix, not an internal error, and there is no quiet fallback."""
+    from pulsectl.errors import DeviceError
+
+    with pytest.raises(DeviceError) as caught:
+        diff_checkpoints(chain[0], chain[1], io.BytesIO(), options=DiffOptions(device="cpu"))
+    assert caught.value.message == (
+        "--device cpu: finding changed words failed: CUDA out of memory. Tried to allocate "
+        "16.00 MiB; use --device cpu (the same bytes) or free the device's memory"
+    )

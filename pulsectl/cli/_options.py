@@ -33,8 +33,9 @@ def device_option(what: str) -> Any:
     return typer.Option(
         "--device",
         metavar="DEVICE",
-        help=f"auto, cpu or cuda[:N]: where {what} (auto: CUDA when torch sees a GPU). "
-        "The result is the same on every device.",
+        help=f"auto, cpu or cuda[:N]: where {what} (auto: CUDA when torch sees a GPU, and "
+        "the CPU should the GPU fail, e.g. out of memory). The result is the same on every "
+        "device.",
     )
 
 
