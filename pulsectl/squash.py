@@ -23,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import atomic_file, check_file_target
+from pulsectl._atomic import atomic_file, check_file_target, file_path
 from pulsectl.codecs import (
     CODEC_CONTEXT,
     CODEC_COPY,
@@ -82,7 +82,9 @@ def squash_patches(
             shown = "'-'" if str(p) == "-" else f"a pipe ({p})"
             raise UsageError(f"squash reads patches by seeking; give files, not {shown}")
     if isinstance(out, (str, Path)):
-        out = check_file_target(out, force, "patch")  # before the patches are read
+        # Before the patches are read; an input is refused even with -f, so it goes first.
+        _refuse_an_input_as_output(file_path(out, "patch"), patches, base)
+        out = check_file_target(out, force, "patch")
     infos = [read_patch_info(p, check=True) for p in patches]
     for info in infos:
         if info.header.scope == "tensors":
@@ -323,6 +325,22 @@ def _add_moves(
     np.add.at(total, inverse, moves)
     keep = total != 0
     return unique[keep], total[keep]
+
+
+def _refuse_an_input_as_output(
+    out: Path, patches: Sequence[str | Path], base: str | Path | None
+) -> None:
+    """Refuse an output that is one of the patches or the base, even with ``force``: the
+    squashed patch would replace an input (as ``apply -o PATCH`` and ``diff -o NEW`` are)."""
+    if not out.exists():
+        return
+    inputs = [(f"patch {n}", p) for n, p in enumerate(patches, 1)]
+    for what, source in [*inputs, *([("BASE", base)] if base is not None else [])]:
+        if os.path.exists(source) and os.path.samefile(out, source):
+            raise UsageError(
+                f"{out} is {what} of this squash; the squashed patch would replace it, even "
+                "with -f: write the output elsewhere"
+            )
 
 
 def _squash_with_base(

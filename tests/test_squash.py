@@ -176,3 +176,22 @@ def test_a_copy_block_with_a_payload_is_refused_naming_its_patch(tmp_path: Path)
     with pytest.raises(CorruptPatchError, match=rf"{patches[0]}: tensor .*: copy block carries"):
         squash_patches(patches, out)
     assert not out.exists()
+
+
+def test_squash_never_writes_over_one_of_its_inputs(tmp_path: Path, capsys) -> None:
+    """`squash P0 P1 -o P1 -f` (a typo for the output) replaced the patch P1 with the squash,
+    and `--base B -o B -f` was refused only after the whole chain was applied, as "an input of
+    the diff". Both are refused up front, even with -f, as `apply -o PATCH` is."""
+    chain = _chain(tmp_path, steps=2)
+    p0, p1 = _patches(tmp_path, chain, FAST)
+    inputs = {p: p.read_bytes() for p in (p0, p1, chain[0])}
+    for out, what, base in ((p1, "patch 2", []), (chain[0], "BASE", ["--base", str(chain[0])])):
+        for force in ([], ["-f"]):
+            argv = ["squash", str(p0), str(p1), *base, "-o", str(out), *force]
+            assert main(argv) == 2, argv
+            assert capsys.readouterr().err == (
+                f"pulsectl: error: {out} is {what} of this squash; the squashed patch would "
+                "replace it, even with -f: write the output elsewhere\n"
+            )
+    assert {p: p.read_bytes() for p in inputs} == inputs
+    assert not list(tmp_path.glob(".*pulsectl-*"))
