@@ -227,7 +227,9 @@ def _diff_sources(
         _require_same_layout(base, target, old, new)
         items = [i for i in items if i.name is not None and options.selects(i.name)]
         if not items:
-            raise UsageError("no tensor matches --tensors/--exclude; nothing to patch")
+            raise UsageError(
+                "no tensor matches --tensors/--exclude; nothing to patch", option="--tensors"
+            )
         scope = "tensors"
 
     def make_header() -> PatchHeader:

@@ -109,7 +109,8 @@ def squash_patches(
     if options is not None and options.context:
         raise UsageError(
             "--level max needs --base: its codec orders each block by the base words; without "
-            "the base squash can only write the default codecs (give a level 1..22)"
+            "the base squash can only write the default codecs (give a level 1..22)",
+            option="--level",
         )
     block_bytes = {i.header.block_bytes for i in infos}
     if len(block_bytes) != 1:

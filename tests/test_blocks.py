@@ -69,6 +69,19 @@ def test_tensor_globs(tmp_path: Path, chain):
         diff_to_path(old, new, tmp_path / "none.pulse", options=DiffOptions(tensors=("nope*",)))
 
 
+def test_no_tensor_selected_ends_with_the_help_hint(tmp_path: Path, chain, capsys):
+    """Option values only the command can judge end with the parser's -h hint (GUARANTEES.md);
+    this one lacked it."""
+    out = tmp_path / "none.pulse"
+    for select in (["--tensors", "nope*"], ["--exclude", "*"]):
+        assert main(["diff", str(chain[0]), str(chain[1]), *select, "-o", str(out)]) == 2
+        assert capsys.readouterr().err == (
+            "pulsectl: error: no tensor matches --tensors/--exclude; nothing to patch; try "
+            "'pulsectl diff -h' for help\n"
+        )
+    assert not out.exists()
+
+
 def test_blocks_select_by_name_without_fnmatch(tmp_path: Path, chain, monkeypatch):
     # Each block patch names its tensors exactly: selecting them is a set lookup per tensor,
     # not one fnmatch call per (tensor, member) pair, which made --blocks quadratic.

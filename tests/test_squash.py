@@ -195,3 +195,18 @@ def test_squash_never_writes_over_one_of_its_inputs(tmp_path: Path, capsys) -> N
             )
     assert {p: p.read_bytes() for p in inputs} == inputs
     assert not list(tmp_path.glob(".*pulsectl-*"))
+
+
+def test_level_max_without_the_base_ends_with_the_help_hint(tmp_path: Path, capsys) -> None:
+    """Options that do not go together, found by the command: named, with the -h hint, as
+    docs/GUARANTEES.md says (36618af tagged the others but not this one)."""
+    chain = _chain(tmp_path, steps=2)
+    patches = _patches(tmp_path, chain, FAST)
+    out = tmp_path / "s.pulse"
+    assert main(["squash", *map(str, patches), "-o", str(out), "--level", "max"]) == 2
+    assert capsys.readouterr().err == (
+        "pulsectl: error: --level max needs --base: its codec orders each block by the base "
+        "words; without the base squash can only write the default codecs (give a level "
+        "1..22); try 'pulsectl squash -h' for help\n"
+    )
+    assert not out.exists()
