@@ -607,8 +607,9 @@ def _apply_parts(
 
 def _other_dtype_hint(header: PatchHeader, item: Item, found: TensorInfo | None) -> str:
     """The fix for a base tensor of the wrong size: the usual one, or, when the base has the
-    tensor in another float dtype than the patch (an FP32 master against its BF16 cast), which
-    `--as` or `cast` it takes."""
+    tensor in another float dtype than the patch (an FP32 master against its BF16 cast, a BF16
+    checkpoint against its FP8 cast), which `--as` or `cast` it takes."""
+    from pulsectl.cast import CAST_SOURCES
     from pulsectl.cast import TARGETS as CAST_TARGETS
 
     usual = "apply the patch to the checkpoint it was made from"
@@ -619,7 +620,8 @@ def _other_dtype_hint(header: PatchHeader, item: Item, found: TensorInfo | None)
     if found is None or want is None or want.shape != found.shape:
         return usual
     narrow, wide = sorted((want, found), key=lambda t: t.word)
-    if narrow.dtype.lower() not in CAST_TARGETS or wide.dtype not in ("F32", "F64"):
+    # Any float cast turns into a narrower target: F32 into BF16, and BF16 into FP8 too.
+    if narrow.dtype.lower() not in CAST_TARGETS or wide.dtype not in CAST_SOURCES:
         return usual
     to = narrow.dtype.lower()
     if want is narrow:

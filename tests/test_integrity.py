@@ -414,3 +414,41 @@ def test_fp32_patch_and_bf16_base_mixed_up_name_the_fix(
     )
     assert not out.exists()
     assert main(["-q", "apply", str(anchor), str(cast), "-o", str(out)]) == 0
+
+
+def test_bf16_patch_and_fp8_cast_mixed_up_name_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same mix-up one width down: BF16 checkpoints and their FP8 cast (`diff --as
+    f8_e4m3`). b4dbcb6 named the cast for any float base that cast turns into the patch's
+    dtype; merged with 9a00068 only an F32/F64 base was, so an `--as f8_e4m3` patch applied to
+    the BF16 checkpoint it was made from was told to "apply the patch to the checkpoint it was
+    made from"."""
+    torch.manual_seed(0)
+    w0 = torch.randn(64, 32)
+    w1 = w0 + 1e-1 * torch.randn(64, 32)
+    b0, b1 = tmp_path / "m0.safetensors", tmp_path / "m1.safetensors"
+    save_file({"w": w0.bfloat16()}, str(b0))
+    save_file({"w": w1.bfloat16()}, str(b1))
+    anchor = tmp_path / "anchor.safetensors"
+    plain, cast = tmp_path / "plain.pulse", tmp_path / "cast.pulse"
+    assert main(["-q", "cast", str(b0), "--to", "f8_e4m3", "-o", str(anchor)]) == 0
+    assert main(["-q", "diff", str(b0), str(b1), "-o", str(plain)]) == 0
+    assert main(["-q", "diff", str(b0), str(b1), "--as", "f8_e4m3", "-o", str(cast)]) == 0
+    out = tmp_path / "out.safetensors"
+    assert main(["apply", str(b0), str(cast), "-o", str(out)]) == 3
+    assert capsys.readouterr().err.strip() == (
+        f"pulsectl: error: {b0}: wrong base for {cast}: tensor 'w' has 4,096 bytes, the patch's "
+        "base had 2,048; it is BF16 here, F8_E4M3 in the patch; the patch was made with --as "
+        "f8_e4m3: apply it to the cast of the checkpoint it was made from (pulsectl cast CKPT "
+        "--to f8_e4m3)"
+    )
+    assert main(["apply", str(anchor), str(plain), "-o", str(out)]) == 3
+    assert capsys.readouterr().err.strip() == (
+        f"pulsectl: error: {anchor}: wrong base for {plain}: tensor 'w' has 2,048 bytes, the "
+        "patch's base had 4,096; it is F8_E4M3 here, BF16 in the patch; the patch was made from "
+        "BF16 checkpoints: to update their F8_E4M3 cast, diff with --as f8_e4m3 (or apply the "
+        "patch to the checkpoint it was made from)"
+    )
+    assert not out.exists()
+    assert main(["-q", "apply", str(anchor), str(cast), "-o", str(out)]) == 0
