@@ -437,10 +437,6 @@ def test_apply_never_writes_its_checkpoint_over_one_of_its_patches(
 ) -> None:
     """`apply BASE P -o P -f` (a typo for the output) used to replace the patch with the
     checkpoint; as `diff -o NEW` and `apply -o BASE` are, it is refused even with -f."""
-    import numpy as np
-
-    from pulsectl.checkpoint import save_safetensors
-
     a, b, p = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse"
     save_safetensors(a, {"w": ("F32", [64], np.arange(64, dtype=np.float32))})
     save_safetensors(b, {"w": ("F32", [64], np.arange(64, dtype=np.float32) + 1)})
