@@ -69,7 +69,16 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
 
 
 def missing_folder(path: Path) -> OutputError:
-    """The error for an output whose folder is missing: outputs never create folders."""
+    """The error for an output whose folder is missing: outputs never create folders. Where a
+    file stands in the way (``-o model.safetensors/out``), ``mkdir -p`` would fail: say so."""
+    for above in (path.parent, *path.parent.parents):
+        if os.path.lexists(above):
+            if not above.is_dir():
+                return OutputError(
+                    f"{path}: {above} is not a folder; give a path in a folder for the output",
+                    path=path,
+                )
+            break
     return OutputError(
         f"{path}: folder {path.parent} does not exist; create it first "
         f"(mkdir -p {shlex.quote(str(path.parent))})",

@@ -683,6 +683,21 @@ def test_a_missing_output_folder_names_the_fix(
     assert not out.parent.exists()
 
 
+def test_an_output_under_a_file_is_not_told_to_mkdir(
+    tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`-o p.pulse/x` (a file where a folder should be): `mkdir -p p.pulse` would fail, so the
+    line says what is in the way instead of "does not exist; create it first"."""
+    a, b, p = pair
+    patch = p.read_bytes()
+    for out in (p / "x.pulse", p / "sub" / "x.pulse"):
+        assert main(["diff", str(a), str(b), "-o", str(out)]) == 1
+        assert _error_line(capsys.readouterr().err) == (
+            f"pulsectl: error: {out}: {p} is not a folder; give a path in a folder for the output"
+        )
+    assert p.read_bytes() == patch
+
+
 def test_an_empty_patch_file_is_called_empty(
     tmp_path: Path, pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
