@@ -24,6 +24,18 @@ def recording() -> Iterator[list[Path]]:
         _paths = saved
 
 
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """While inside, record nothing: the renames are a store's own objects or caches, not an
+    output the user named (an interrupt there is not 'after OUT was written')."""
+    global _paths
+    saved, _paths = _paths, None
+    try:
+        yield
+    finally:
+        _paths = saved
+
+
 def record(path: Path) -> None:
     """``path`` was just put in place (``pulsectl._atomic`` calls this as it renames)."""
     if _paths is not None:

@@ -711,6 +711,29 @@ def test_errors_are_pulse_errors() -> None:
     )
 
 
+def test_a_store_s_own_objects_are_not_outputs_the_user_named(
+    tmp_path: Path,
+    sigint_after_rename: list[Path],
+    capsys: Capsys,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """publish renames store objects and cache files into place; an interrupt there used to
+    print "interrupted after STORE/pulse-store.json was written" (or a cache file), though the
+    step was not published. They are not recorded as outputs: no rename during publish is one
+    (the fixture interrupts at each recorded rename), while pull's checkpoint still is."""
+    monkeypatch.setenv("PULSECTL_CACHE_DIR", str(tmp_path / "cache"))
+    base, new = write_small_pair(tmp_path)
+    store = tmp_path / "store"
+    assert main(["-q", "publish", str(store), str(base), "--anchor"]) == 0
+    assert main(["-q", "publish", str(store), str(new)]) == 0
+    assert sigint_after_rename == []
+    capsys.readouterr()
+    out = tmp_path / "pulled.safetensors"
+    assert main(["-q", "pull", str(store), "-o", str(out)]) == 130
+    assert one_line(capsys) == f"pulsectl: error: interrupted after {out} was written"
+    assert sigint_after_rename == [out] and out.read_bytes() == new.read_bytes()
+
+
 def test_interrupt_inside_deferred_block_is_raised_after_it(tmp_path: Path) -> None:
     """SIGINT/SIGTERM between creating a temp file and recording it wait for the block's end,
     where they raise as they would have, and the handlers are back as they were."""

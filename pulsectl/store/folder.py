@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from pulsectl import _placed
 from pulsectl._atomic import atomic_file, os_error, remove, temp_path
 from pulsectl.errors import InputError
 from pulsectl.store.base import MissingObjectError, ObjectExistsError, Store
@@ -76,7 +77,7 @@ class FolderStore(Store):
 
     def write(self, key: str, data: bytes) -> None:
         path = self._make_parent(key)
-        with atomic_file(path, force=True) as f:
+        with _placed.unrecorded(), atomic_file(path, force=True) as f:
             f.write(data)
 
     def create(self, key: str, data: bytes) -> None:
@@ -103,7 +104,7 @@ class FolderStore(Store):
 
     def upload(self, source: Path, key: str) -> None:
         path = self._make_parent(key)
-        with atomic_file(path, force=True) as f, open(source, "rb") as src:
+        with _placed.unrecorded(), atomic_file(path, force=True) as f, open(source, "rb") as src:
             while chunk := src.read(COPY_CHUNK):
                 f.write(chunk)
 

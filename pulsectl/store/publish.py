@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pulsectl import __version__
+from pulsectl import __version__, _placed
 from pulsectl._atomic import atomic_file, install, os_error, remove
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, diff_to_path
@@ -211,7 +211,8 @@ def _publish_step(
     target_fp: str | None = None
     target_bytes = 0
     if last is not None and head is not None and head[:2] == (last.step, last.target_fingerprint):
-        summary = diff_to_path(head[2], target, patch_file, force=True, options=options.diff)
+        with _placed.unrecorded():  # a work file, uploaded below
+            summary = diff_to_path(head[2], target, patch_file, force=True, options=options.diff)
         fraction = summary.patch_bytes / summary.target_bytes if summary.target_bytes else 0.0
         if summary.base_fingerprint != last.target_fingerprint:
             anchor_reason = anchor_reason or (
@@ -345,14 +346,15 @@ def _update_head(
         for stale in ("head.safetensors", "head"):
             if stale != name:
                 remove(cache / stale)
-        install(fresh, cache / name)
+        with _placed.unrecorded():  # the cache is pulsectl's, not an output the user named
+            install(fresh, cache / name)
         state = {
             "store": store.ident,
             "step": manifest.step,
             "fingerprint": manifest.target_fingerprint,
             "path": name,
         }
-        with atomic_file(cache / HEAD_STATE, force=True) as f:
+        with _placed.unrecorded(), atomic_file(cache / HEAD_STATE, force=True) as f:
             f.write(canonical_json(state))
     except OSError as exc:
         raise os_error(exc, cache / name) from exc

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from pulsectl import _placed
 from pulsectl._atomic import (
     check_folder_target,
     check_target,
@@ -169,7 +170,10 @@ def pull(
                 raise _unreachable(store, target, broken, why)
             say(_describe(plan, out))
             try:
-                result, applied = _execute(store, plan, target, work, workers, prefetch, fetched)
+                with _placed.unrecorded():  # steps in the work folder: not the output
+                    result, applied = _execute(
+                        store, plan, target, work, workers, prefetch, fetched
+                    )
                 break
             except _Broken as exc:
                 broken[exc.key] = exc.reason
