@@ -394,22 +394,6 @@ def _check_chain(
             )
 
 
-def _apply_one(
-    reader: PatchReader,
-    header: PatchHeader,
-    base: Checkpoint,
-    dest: Path,
-    workers: int,
-    progress: Progress | None,
-    durable: bool = False,
-) -> tuple[list[FileRef], str]:
-    """Write the target of one patch to ``dest`` and verify it.
-
-    Returns the written files' refs and the target's fingerprint.
-    """
-    return _apply_parts([(reader, header)], base, dest, workers, progress, durable)
-
-
 @dataclass(frozen=True)
 class _Prefix:
     """A safetensors file's length prefix and header."""

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pulsectl._atomic import os_error
+from pulsectl._atomic import missing_folder, os_error
 from pulsectl.apply import apply_patches
 from pulsectl.diff import diff_to_path
 from pulsectl.errors import OutputError, UsageError
@@ -35,8 +35,10 @@ def run_demo(
                 "patches and rebuilt checkpoint there)",
                 path=keep,
             )
+        if not keep.parent.is_dir():  # as for any output: its folder is the user's to make
+            raise missing_folder(keep)
         try:
-            keep.mkdir(parents=True, exist_ok=True)
+            keep.mkdir(exist_ok=True)
         except OSError as exc:
             raise os_error(exc, keep) from exc
         return _run(keep, shape, steps, lr, say)

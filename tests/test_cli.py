@@ -770,6 +770,11 @@ def test_demo_keeps_to_a_new_or_empty_folder(
     assert "is not a folder" in capsys.readouterr().err
     assert main(["demo", "--shape", "bogus"]) == 2
     assert "--shape 'bogus': choose one of tiny, small" in capsys.readouterr().err
+    # Like any output's, DIR's folder is the user's to make (it used to make the parents).
+    deep = tmp_path / "no" / "such" / "kd"
+    assert main(["demo", "--keep", str(deep), "--shape", "tiny", "--steps", "1"]) == 1
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
 
 
 def test_an_empty_argument_is_a_usage_error(
