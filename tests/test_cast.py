@@ -230,3 +230,28 @@ def test_cli_cast_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(args) == 1
     assert "exists; pass -f to overwrite" in capsys.readouterr().err
     assert main([*args, "-f"]) == 0
+
+
+def test_diff_as_refuses_its_output_before_casting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`diff --as` casts both checkpoints (minutes on a big model) before the diff; an -o that
+    is a folder, or a file without -f, was refused only after the casts."""
+    import pulsectl.cast
+
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_safetensors(a, {"w": ("F32", [64], np.arange(64, dtype=np.float32))})
+    save_safetensors(b, {"w": ("F32", [64], np.arange(64, dtype=np.float32) + 1)})
+
+    def no_casts(*args: object, **kwargs: object) -> None:
+        raise AssertionError("cast before the output was checked")
+
+    monkeypatch.setattr(pulsectl.cast, "cast_temporaries", no_casts)
+    folder, taken = tmp_path / "out", tmp_path / "p.pulse"
+    folder.mkdir()
+    taken.write_bytes(b"mine")
+    assert main(["diff", str(a), str(b), "--as", "bf16", "-o", str(folder)]) == 1
+    assert "is a folder; give a file path for the output" in capsys.readouterr().err
+    assert main(["diff", str(a), str(b), "--as", "bf16", "-o", str(taken)]) == 1
+    assert "output exists; pass -f to overwrite" in capsys.readouterr().err
+    assert taken.read_bytes() == b"mine" and list(folder.iterdir()) == []

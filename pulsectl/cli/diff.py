@@ -103,9 +103,13 @@ def diff(
     )
     stdout = output is None or output == "-"
     if output is not None and not stdout:
-        from pulsectl._atomic import file_path
+        from pulsectl._atomic import check_file_target, file_path
 
-        file_path(output, "patch")  # 'runs/': refused before any work (--as casts first)
+        # 'runs/', a folder, or a file without -f: refused before any work (--as casts first).
+        if blocks is None:
+            check_file_target(output, force)
+        else:
+            file_path(output, "patch")  # a prefix: PATCH.block0.pulse ...
     if blocks is not None:
         if stdout:
             raise UsageError(
