@@ -29,7 +29,7 @@ timeout 140 python -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py \
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== 2. diff --device cuda vs cpu on files"
-timeout 100 python - "$out" <<'EOF' || status=1
+timeout 130 python - "$out" <<'EOF' || status=1
 import sys, time
 from pathlib import Path
 from pulsectl.cli.app import main
@@ -54,7 +54,7 @@ sys.exit(0 if same and applied else 1)
 EOF
 
 echo "== 3. benchmarks/gpu.py (qwen2.5-7b)"
-timeout 320 python benchmarks/gpu.py --json "$out/gpu.json" 2>&1 | tee "$out/gpu.txt"
+timeout 300 python benchmarks/gpu.py --json "$out/gpu.json" 2>&1 | tee "$out/gpu.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== $([ $status = 0 ] && echo 'all passed' || echo 'SOMETHING FAILED') (results in $out)"
