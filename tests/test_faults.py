@@ -461,6 +461,36 @@ def test_an_interrupt_names_what_went_to_stdout(
     assert cap.err == b"pulsectl: error: interrupted; the patch on standard output is incomplete\n"
 
 
+def test_an_interrupt_after_text_went_to_stdout_says_it_may_be_incomplete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Capsys
+) -> None:
+    """`hash A B C` interrupted after A's line used to say "no output was written", with a line
+    on stdout and the others missing."""
+    import pulsectl.inventory
+
+    base, new = write_small_pair(tmp_path)
+    fingerprint_of = pulsectl.inventory.fingerprint_of
+    calls: list[int] = []
+
+    def second_is_interrupted(*args: Any, **kwargs: Any) -> str:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fingerprint_of(*args, **kwargs)
+
+    monkeypatch.setattr(pulsectl.inventory, "fingerprint_of", second_is_interrupted)
+    assert main(["hash", str(base), str(new), str(base)]) == 130
+    cap = capsys.readouterr()
+    assert cap.out.count("\n") == 1 and cap.out.endswith(f"  {base}\n")
+    assert cap.err == (
+        "pulsectl: error: interrupted; no file was written, and standard output may be incomplete\n"
+    )
+    calls.clear()
+    calls.append(1)  # the first call is now the interrupted one: nothing printed
+    assert main(["hash", str(base)]) == 130
+    assert capsys.readouterr().err == "pulsectl: error: interrupted; no output was written\n"
+
+
 def test_folder_install_swaps_in_one_step(tmp_path: Path) -> None:
     old, new = tmp_path / "ckpt", tmp_path / ".ckpt.pulsectl-tmp-x"
     for folder, text in ((old, "old"), (new, "new")):

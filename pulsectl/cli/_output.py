@@ -130,6 +130,7 @@ class GuardedStdout:
         # line that an interrupt prints.
         self.sent: str | None = None
         self.sent_whole = False
+        self.texted = False  # whether any text (a hash line, a table) was written
 
     def __getattr__(self, name: str) -> Any:
         if self.stream is None:
@@ -152,6 +153,7 @@ class GuardedStdout:
         if self.stream is None:
             raise stdout_closed()
         self._check()
+        self.texted = self.texted or bool(text)
         try:
             return int(self.stream.write(text))
         except OSError as exc:

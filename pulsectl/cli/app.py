@@ -211,7 +211,8 @@ def _main(args: list[str], written: list[Path]) -> int:
 def _interrupted_line(written: list[Path]) -> str:
     """What an interrupt left: the outputs this run had put in place and that are still there
     (a signal can come right after the last rename; demo's are in a temp folder, removed by
-    then), else nothing, or a patch on stdout, whole or in part."""
+    then), else nothing, or a patch on stdout, whole or in part, or text on stdout (lines a
+    command printed before the interrupt, the rest missing)."""
     there = list(dict.fromkeys(str(p) for p in written if os.path.lexists(p)))
     if there:
         shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
@@ -222,6 +223,8 @@ def _interrupted_line(written: list[Path]) -> str:
         if stdout.sent_whole:
             return f"interrupted after {stdout.sent} was written to standard output"
         return f"interrupted; {stdout.sent} on standard output is incomplete"
+    if isinstance(stdout, GuardedStdout) and stdout.texted:
+        return "interrupted; no file was written, and standard output may be incomplete"
     return "interrupted; no output was written"
 
 
