@@ -86,6 +86,18 @@ def missing_folder(path: Path) -> OutputError:
     )
 
 
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether ``a`` and ``b`` name the same existing file or folder (a link and what it points
+    to, or two hard links, are one); ``-`` (a pipe) names none. For refusing an output that
+    is one of the command's inputs."""
+    if os.fspath(a) == "-" or os.fspath(b) == "-":
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
 def check_file_target(path: str | os.PathLike[str], force: bool, what: str = "output") -> Path:
     """``check_target`` for an output that is one file, as the user typed it; also refused: a
     path ending in '/' (see ``file_path``) and an existing folder. Returns it as a Path."""

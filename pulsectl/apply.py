@@ -30,6 +30,7 @@ from pulsectl._atomic import (
     install,
     os_error,
     remove,
+    same_file,
     temp_path,
 )
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
@@ -138,13 +139,7 @@ def apply_patches(
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
         for n, source in enumerate(patches, 1):
-            if (
-                isinstance(source, (str, Path))
-                and str(source) != "-"
-                and out_path.exists()
-                and os.path.exists(source)
-                and os.path.samefile(out_path, source)
-            ):
+            if isinstance(source, (str, Path)) and same_file(out_path, source):
                 raise UsageError(
                     f"{out_path} is patch {n} of this apply; the checkpoint would replace it, "
                     "even with -f: write the output elsewhere"

@@ -20,7 +20,7 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from pulsectl import __version__, _prehash
-from pulsectl._atomic import atomic_file, file_path
+from pulsectl._atomic import atomic_file, file_path, same_file
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import BufferPool, default_workers, ordered_map, window_for
 
@@ -149,7 +149,7 @@ def refuse_input_as_output(out: Path, inputs: tuple[str | Path | Source, ...]) -
         where = source.ckpt.root if isinstance(source, FileSource) else source
         if not isinstance(where, (str, Path)):
             continue  # a state dict or other source has no path
-        if out.exists() and Path(where).exists() and out.resolve() == Path(where).resolve():
+        if same_file(out, where):
             raise UsageError(f"{out} is an input of the diff; write the patch elsewhere")
 
 

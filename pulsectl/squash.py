@@ -23,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import atomic_file, check_file_target, file_path
+from pulsectl._atomic import atomic_file, check_file_target, file_path, same_file
 from pulsectl.codecs import (
     CODEC_CONTEXT,
     CODEC_COPY,
@@ -333,11 +333,9 @@ def _refuse_an_input_as_output(
 ) -> None:
     """Refuse an output that is one of the patches or the base, even with ``force``: the
     squashed patch would replace an input (as ``apply -o PATCH`` and ``diff -o NEW`` are)."""
-    if not out.exists():
-        return
     inputs = [(f"patch {n}", p) for n, p in enumerate(patches, 1)]
     for what, source in [*inputs, *([("BASE", base)] if base is not None else [])]:
-        if os.path.exists(source) and os.path.samefile(out, source):
+        if same_file(out, source):
             raise UsageError(
                 f"{out} is {what} of this squash; the squashed patch would replace it, even "
                 "with -f: write the output elsewhere"

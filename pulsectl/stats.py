@@ -18,7 +18,6 @@ units in the last place. Memory stays at a few chunks whatever the model size.
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +27,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pulsectl._atomic import atomic_file, check_file_target, file_path
+from pulsectl._atomic import atomic_file, check_file_target, file_path, same_file
 from pulsectl._io import default_workers, ordered_map
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cast import cast_temporaries, target_dtype
@@ -664,8 +663,7 @@ def check_plot_target(path: str | Path, inputs: Sequence[str | Path], force: boo
     ``force``) or is a folder, and a missing matplotlib."""
     path = file_path(path, "plot")
     for item in inputs:
-        same = str(item) != "-" and path.exists() and Path(item).exists()
-        if same and os.path.samefile(path, item):
+        if same_file(path, item):
             raise UsageError(f"{path}: is an input of this command; write the plot elsewhere")
     check_file_target(path, force, "plot")
     _pyplot()
