@@ -629,6 +629,7 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
         reader, header = parts[p]
         item = header.items[index]
         start: int | None = None
+        info: TensorInfo | None = None  # the base tensor (None: the item reads a whole file)
         if item.base_file is not None:
             if item.base_name is None:
                 found_size, start = base.files[item.base_file].size, 0
@@ -644,14 +645,11 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
                     )
                 found_size, start = info.nbytes, info.start
             if found_size != item.nbytes:
-                found = None if item.base_name is None else base_tensors[item.base_file]
                 raise IntegrityError(
                     f"{base.files[item.base_file].path}: wrong base for {reader.name}: "
                     f"{'tensor ' + repr(item.base_name) if item.base_name else 'the file'} has "
                     f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; "
-                    + _other_dtype_hint(
-                        header, item, found.get(item.base_name or "") if found else None
-                    ),
+                    + _other_dtype_hint(header, item, info),
                     path=str(base.files[item.base_file].path),
                     tensor=item.base_name,
                 )
@@ -771,20 +769,18 @@ def _wrong_base_tensor(
     which = "block patch" if block else "patch"
     if index is not None and _writes(patch, index) == have:
         # The base already holds what the patch writes there: the commonest wrong base.
-        return IntegrityError(
-            f"{entry.path}: wrong base for {patch}: {what} already has the bytes the {which} "
-            f"writes (fingerprint {have}), so BASE looks like its target: applied already, or "
-            "made with OLD and NEW swapped? (the partial output was removed)",
-            path=str(entry.path),
-            tensor=item.base_name,
-            expected=item.base_fingerprint,
-            actual=have,
+        why = (
+            f"{what} already has the bytes the {which} writes (fingerprint {have}), so BASE "
+            "looks like its target: applied already, or made with OLD and NEW swapped?"
         )
-    stale = " (stale or already applied?)" if block else ""
+    else:
+        stale = " (stale or already applied?)" if block else ""
+        why = (
+            f"{what} has fingerprint {have}, the {which} expects {item.base_fingerprint}"
+            f"{stale}; apply the patch to the checkpoint it was made from"
+        )
     return IntegrityError(
-        f"{entry.path}: wrong base for {patch}: {what} has fingerprint {have}, the {which} "
-        f"expects {item.base_fingerprint}{stale}; apply the patch to the checkpoint it was "
-        "made from (the partial output was removed)",
+        f"{entry.path}: wrong base for {patch}: {why} (the partial output was removed)",
         path=str(entry.path),
         tensor=item.base_name,
         expected=item.base_fingerprint,

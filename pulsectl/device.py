@@ -24,7 +24,6 @@ import numpy as np
 
 from pulsectl.errors import DeviceError, UsageError
 
-_WORD_DTYPES: dict[int, Any] = {}
 _T = TypeVar("_T")
 # Devices that `auto` chose (resolve), and those of them that failed once (then the CPU path
 # does their work for the rest of the process).
@@ -89,10 +88,8 @@ def find_changes(old: Any, new: Any, word: int, device: str) -> np.ndarray | Non
     def run() -> np.ndarray:
         import torch
 
-        if not _WORD_DTYPES:
-            _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-        a = _on(old, device).view(_WORD_DTYPES[word])
-        b = _on(new, device).view(_WORD_DTYPES[word])
+        a = _on(old, device).view(_word_dtype(word))
+        b = _on(new, device).view(_word_dtype(word))
         return torch.nonzero(a != b).flatten().cpu().numpy()
 
     return _on_device(device, "finding changed words", run)
@@ -124,6 +121,13 @@ def _on_device(device: str, what: str, run: Callable[[], _T]) -> _T | None:
         return None
 
 
+def _word_dtype(word: int) -> Any:
+    """The torch dtype of ``word``-byte words (signed where torch's unsigned ones lack ops)."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]
+
+
 def _on(x: Any, device: str) -> Any:
     import torch
 
@@ -140,9 +144,7 @@ def apply_moves(
     def run() -> np.ndarray:
         import torch
 
-        if not _WORD_DTYPES:
-            _WORD_DTYPES.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-        dtype = _WORD_DTYPES[word]
+        dtype = _word_dtype(word)
         signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[word]
         block = _on(old.copy(), device).view(dtype)
         index = torch.from_numpy(positions).to(device)

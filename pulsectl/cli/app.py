@@ -219,12 +219,13 @@ def _interrupted_line(written: list[Path]) -> str:
         verb = "was" if len(there) == 1 else "were"
         return escape_controls(f"interrupted after {shown} {verb} written")
     stdout = sys.stdout
-    if isinstance(stdout, GuardedStdout) and stdout.sent is not None:
-        if stdout.sent_whole:
+    if isinstance(stdout, GuardedStdout):
+        if stdout.sent is not None and stdout.sent_whole:
             return f"interrupted after {stdout.sent} was written to standard output"
-        return f"interrupted; {stdout.sent} on standard output is incomplete"
-    if isinstance(stdout, GuardedStdout) and stdout.texted:
-        return "interrupted; no file was written, and standard output may be incomplete"
+        if stdout.sent is not None:
+            return f"interrupted; {stdout.sent} on standard output is incomplete"
+        if stdout.texted:
+            return "interrupted; no file was written, and standard output may be incomplete"
     return "interrupted; no output was written"
 
 
