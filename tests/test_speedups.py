@@ -694,6 +694,120 @@ def test_context_scatter_refuses_damaged_streams():
             assert set(block.view(np.uint16)[moved]) == {1}  # zigzag 2: +1
 
 
+def _bf16_block(nwords: int, exponents: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """BF16 words (as uint16) with exponent fields drawn from ``exponents``, random signs and
+    mantissas."""
+    exps = rng.choice(exponents, nwords).astype(np.uint16)
+    signs = rng.integers(0, 2, nwords).astype(np.uint16) << np.uint16(15)
+    return signs | exps << np.uint16(7) | rng.integers(0, 128, nwords).astype(np.uint16)
+
+
+def _apply_each_way(old: np.ndarray, new: np.ndarray) -> None:
+    """The context payload of old -> new (uint16 BF16 words) applied in place with each set of
+    loops (the select walk where this CPU runs it) and by numpy: each gives ``new``."""
+    old8, new8 = old.view(np.uint8), new.view(np.uint8)
+    positions = find_changes(old8, new8, 2)
+    if positions.size == 0:
+        return
+    payload, paired = context.encode(old8, new8, 2, positions, CONTEXT_KEYS[2], 3, pair=True)
+    for loops in simd_modes():
+        patched = old8.copy()
+        assert context.add_in_place(patched, payload, 2, paired)
+        assert patched.tobytes() == new8.tobytes(), loops
+    with pure_numpy():
+        assert context.decode(old8, payload, 2, paired).tobytes() == new8.tobytes()
+
+
+@needs_native
+def test_select_walk_runs_where_pdep_is_fast():
+    """The select walk runs with the AVX2 loops on CPUs with a fast PDEP, never without them."""
+    saved = NATIVE.simd(None)
+    try:
+        if NATIVE.simd("portable") == "portable":
+            assert not NATIVE.select_walk()
+        if NATIVE.simd("avx2") != "avx2":
+            assert not NATIVE.select_walk()
+    finally:
+        NATIVE.simd(saved)
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from([1, 63, 64, 65, 4095, 4096, 4097, 9000, 70_000]),
+    st.sampled_from(["one", "few", "normal", "spread", "all"]),
+    st.sampled_from([0.0005, 0.01, 0.15, 0.5, 1.0]),
+    st.sampled_from(["one-unit", "any", "early", "late"]),
+    st.integers(0, 2**32 - 1),
+)
+def test_select_walk_agrees_with_the_other_walks(nwords, keys, fraction, moves, seed):
+    """BF16 context blocks of every shape the select walk treats apart: 64-word groups whole
+    and cut short (1 to 65 words, and the last words past the chunks of 4096), every word of a
+    group in one key (its bits read past the 57 of one load), many keys (most met one word at a
+    time, outside the range of the vector pass), keys whose changes end early in the block
+    (dropped from the pass at the next chunk) or start late, every word changed."""
+    rng = np.random.default_rng(seed)
+    exponents = {
+        "one": np.array([120]),
+        "few": np.array([118, 119, 120, 121]),
+        "normal": np.clip(np.round(rng.normal(118, 3, 64)), 1, 254),
+        "spread": np.arange(256),
+        "all": np.arange(0, 256, 5),
+    }[keys]
+    old = _bf16_block(nwords, exponents, rng)
+    mask = rng.random(nwords) < fraction
+    if moves == "early":
+        mask[nwords // 3 :] = False
+    elif moves == "late":
+        mask[: 2 * nwords // 3] = False
+    mask[-1] |= fraction >= 0.5  # a change in the last word
+    new = old.copy()
+    if moves == "one-unit":
+        step = np.ones(nwords, np.uint16)
+    else:
+        step = rng.integers(1, 2**16, nwords, np.uint16)
+    new[mask] += np.where(rng.random(nwords) < 0.5, step, np.uint16(0) - step)[mask]
+    _apply_each_way(old, new)
+
+
+@needs_native
+def test_select_walk_on_real_sized_blocks():
+    """Blocks of 4 Mi words (8 MiB, a real block) of Adam-like changes at three densities,
+    with two exponents' words far apart in the block."""
+    rng = np.random.default_rng(17)
+    nwords = 1 << 22
+    weights = rng.normal(0, 0.02, nwords).astype(np.float32)
+    weights[: nwords // 8] *= 64  # a stretch of larger weights: keys of their own
+    old = (weights.view(np.uint32) >> 16).astype(np.uint16)
+    for fraction in (0.005, 0.08, 0.35):
+        new = old.copy()
+        at = np.flatnonzero(rng.random(nwords) < fraction)
+        new[at] += np.where(rng.random(at.size) < 0.5, 1, -1).astype(np.int16).view(np.uint16)
+        _apply_each_way(old, new)
+
+
+@needs_native
+def test_select_walk_refuses_contexts_longer_than_the_block():
+    """Contexts whose ranks each fit in the block but together claim more words than it has
+    (keys 0 and 1, of 64 words all with key 0): refused as damaged, whichever walk reads them.
+    Each context has one change, coded with k = 6: no unary bits, its rank in the remainder."""
+    block = np.zeros(128, dtype=np.uint8)
+    for ranks in ((60, 60), (60, 0)):  # 122 ranks in all; or key 1 (no words) at rank 0
+        bits = "".join(format(r, "06b") for r in ranks)
+        args = (
+            np.array([0, 1], np.int64),
+            np.full(2, 6, np.int64),
+            np.ones(2, np.int64),
+            bytes(1),  # two codes with quotient 0
+            int(bits.ljust(16, "0"), 2).to_bytes(2, "big"),
+            (bytes([2, 2]), None),
+        )
+        for loops in simd_modes():
+            with pytest.raises(CorruptPatchError, match="past the end of a context"):
+                NATIVE.context_scatter(block.copy(), 2, 7, 8, *args)
+                pytest.fail(f"{ranks} {loops}")
+
+
 def _damaged_context_block(
     nwords: int, fraction: float, seed: int, cut: int, flips: list[int]
 ) -> tuple[np.ndarray, bytes]:
