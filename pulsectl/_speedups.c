@@ -344,16 +344,21 @@ static __thread int64_t *scratch = NULL;
 static __thread size_t scratch_cap = 0;
 
 /* At least `size` bytes in *buf (its capacity in *cap); -1 with MemoryError set if not. */
-static int reserve(void **buf, size_t *cap, size_t size) {
+/* A buffer of at least `size` bytes, kept for the next call: -1 where malloc fails (without
+ * the GIL: reserve_quiet, which sets no exception). */
+static int reserve_quiet(void **buf, size_t *cap, size_t size) {
     if (*cap >= size) return 0;
     free(*buf);
     *cap = 0;
-    if (!(*buf = malloc(size))) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    if (!(*buf = malloc(size))) return -1;
     *cap = size;
     return 0;
+}
+
+static int reserve(void **buf, size_t *cap, size_t size) {
+    if (reserve_quiet(buf, cap, size) == 0) return 0;
+    PyErr_NoMemory();
+    return -1;
 }
 
 /* The listing of changes(): the number of changed words, or -1 with an exception set. */
@@ -2025,6 +2030,259 @@ static __thread size_t ctx_scratch_cap = 0;
  * DENSE_WALK_OF's branch-free loop. */
 #define DENSE_FROM 12
 
+#if HAVE_AVX2_LOOPS
+#define SELECT_CHUNK 4096 /* words: their exponent bytes and change masks stay in L1 */
+#define SELECT_TARGET __attribute__((target("avx2,popcnt,bmi,bmi2,lzcnt")))
+
+#define SELECT_RARE_COST 38 /* cycles for a word met on its own (measured) */
+#define SELECT_KEY_COST 5   /* for a context's key on 64 words in the vector pass */
+
+/* The contexts [*lo, *hi] (indices into ctx, the contexts' keys ascending) whose keys the
+ * vector pass of the select walk takes: the range that costs least by the counts of the keys
+ * in a sample of the block, the other keys' words being met one at a time. */
+static void select_range(const u16a *w, size_t nwords, const uint8_t *ctx, size_t nctx,
+                         size_t *lo, size_t *hi) {
+    uint32_t h[4][256] = {{0}}; /* four tables: neighbours share keys (see COUNT_KEYS) */
+    size_t step = nwords >= 256 * 1024 ? 64 * 64 : 64; /* 64 words in 64, or all */
+    for (size_t i = 0; i + 64 <= nwords; i += step)
+        for (size_t j = i; j < i + 64; j += 4)
+            for (size_t q = 0; q < 4; q++) h[q][(w[j + q] >> 7) & 0xFF]++;
+    uint64_t below[257]; /* sampled words with keys below e */
+    below[0] = 0;
+    for (size_t e = 0; e < 256; e++) below[e + 1] = below[e] + h[0][e] + h[1][e] + h[2][e] + h[3][e];
+    double scale = (double)nwords / (double)(below[256] ? below[256] : 1);
+    double best = -1;
+    *lo = *hi = 0;
+    for (size_t a = 0; a < nctx; a++)
+        for (size_t b = a; b < nctx; b++) {
+            double outside = (double)(below[256] - below[ctx[b] + 1] + below[ctx[a]]) * scale;
+            double cost = (double)(b - a + 1) * (double)(nwords / 64) * SELECT_KEY_COST +
+                          outside * SELECT_RARE_COST;
+            if (best < 0 || cost < best) best = cost, *lo = a, *hi = b;
+        }
+}
+
+/* The select walk run the other way, for context_encode of a BF16 block (where the select walk
+ * runs): PEXT of the words that changed, out of the mask of a key's words among 64 (as in
+ * s2_select_bf16), gives the next bits of the key's ranks, set where that rank is a change,
+ * appended to the key's bitmap; a pass over each bitmap's set bits then gives the context's
+ * gaps, in the context's order, with no sort. The keys outside the range [lo, hi] are met a
+ * word at a time and give their gaps as they go. The moves come from the positions. Checked:
+ * the positions increase, lie in the block and are words that changed, and as many words
+ * changed as there are positions; so they are the changed words. */
+typedef struct {
+    uint64_t acc, fill, at; /* bits not yet stored whole, how many, the word they go to */
+} BitAppender;
+
+/* n bits (the low n of v, n <= 64, v below 2^n) after the ones before: the word is stored at
+ * every append, and moves on once full. */
+static inline void append_bits(BitAppender *b, uint64_t *out, uint64_t v, unsigned n) {
+    uint64_t fill = b->fill, acc = b->acc | v << fill;
+    out[b->at] = acc;
+    uint64_t over = (fill + n) >> 6; /* 1: the word is full */
+    uint64_t rest = (v >> 1) >> (63 - fill); /* v's bits past the word (none for fill 0) */
+    b->acc = over ? rest : acc;
+    b->at += over;
+    b->fill = (fill + n) & 63;
+}
+
+typedef struct {
+    uint32_t seen[256];       /* words of each key met so far */
+    int64_t last[256];        /* the last changed rank of each key met one word at a time */
+    uint64_t fill[256];       /* where each such key's next gap goes */
+    BitAppender bits[256];    /* the keys of the vector pass */
+    uint64_t *map[256];       /* and their bitmaps */
+} EncodeKeys;
+
+static SELECT_TARGET __attribute__((noinline)) const char *e2_select_bf16(
+    const u16a *w, const u16a *t, size_t nwords, EncodeKeys *k, const uint64_t *start,
+    uint64_t *gaps, const uint8_t *keys, size_t nsel, int lo, int hi, size_t *changed) {
+    const char *wrong = "positions are not the changed words";
+    uint8_t exps[SELECT_CHUNK];
+    uint64_t diff[SELECT_CHUNK / 64];
+    const __m256i low = _mm256_set1_epi16(0xFF);
+    const __m256i lo8 = _mm256_set1_epi8((char)lo), span = _mm256_set1_epi8((char)(hi - lo));
+    const __m256i zero = _mm256_setzero_si256();
+    size_t full = nwords / 64 * 64, found = 0;
+    for (size_t s = 0; s < full; s += SELECT_CHUNK) {
+        size_t n = full - s < SELECT_CHUNK ? full - s : SELECT_CHUNK, ng = n / 64;
+        for (size_t g = 0; g < 2 * ng; g++) {
+            const u16a *a = w + s + 32 * g, *b = t + s + 32 * g;
+            __m256i a0 = _mm256_loadu_si256((const __m256i *)a);
+            __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 16));
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 16));
+            /* packs and packus interleave the lanes: quarters 0, 2, 1, 3 put back in order */
+            __m256i same = _mm256_packs_epi16(_mm256_cmpeq_epi16(a0, b0),
+                                              _mm256_cmpeq_epi16(a1, b1));
+            uint64_t moved = ~(uint32_t)_mm256_movemask_epi8(
+                _mm256_permute4x64_epi64(same, 0xD8));
+            __m256i e = _mm256_packus_epi16(_mm256_and_si256(_mm256_srli_epi16(a0, 7), low),
+                                            _mm256_and_si256(_mm256_srli_epi16(a1, 7), low));
+            _mm256_storeu_si256((__m256i *)(exps + 32 * g), _mm256_permute4x64_epi64(e, 0xD8));
+            if (g % 2) diff[g / 2] |= (moved & 0xFFFFFFFFu) << 32;
+            else diff[g / 2] = moved & 0xFFFFFFFFu;
+        }
+        for (size_t g = 0; g < ng; g++) found += (size_t)__builtin_popcountll(diff[g]);
+        for (size_t c = 0; c < nsel; c += 2) {
+            uint8_t k0 = keys[c], k1 = c + 1 < nsel ? keys[c + 1] : keys[c];
+            const __m256i v0 = _mm256_set1_epi8((char)k0), v1 = _mm256_set1_epi8((char)k1);
+            uint64_t both = c + 1 < nsel ? ~0ull : 0; /* a lone last key: its twin adds none */
+            uint64_t sink[2]; /* where the twin of a lone last key writes */
+            BitAppender b0 = k->bits[k0], b1 = both ? k->bits[k1] : (BitAppender){0, 0, 0};
+            uint64_t *o0 = k->map[k0], *o1 = both ? k->map[k1] : sink;
+            for (size_t g = 0; g < ng; g++) {
+                __m256i e0 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g));
+                __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
+                uint64_t m0 =
+                    (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v0)) << 32 |
+                    (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v0));
+                uint64_t m1 =
+                    ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v1)) << 32 |
+                     (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v1))) & both;
+                append_bits(&b0, o0, _pext_u64(diff[g], m0),
+                            (unsigned)__builtin_popcountll(m0));
+                append_bits(&b1, o1, _pext_u64(diff[g], m1),
+                            (unsigned)__builtin_popcountll(m1));
+            }
+            k->bits[k0] = b0;
+            if (both) k->bits[k1] = b1;
+        }
+        for (size_t g = 0; g < ng; g++) {
+            __m256i e0 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g));
+            __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
+            e0 = _mm256_cmpeq_epi8(_mm256_subs_epu8(_mm256_sub_epi8(e0, lo8), span), zero);
+            e1 = _mm256_cmpeq_epi8(_mm256_subs_epu8(_mm256_sub_epi8(e1, lo8), span), zero);
+            uint64_t rare = ~((uint64_t)(uint32_t)_mm256_movemask_epi8(e1) << 32 |
+                              (uint32_t)_mm256_movemask_epi8(e0));
+            while (rare) {
+                int i = __builtin_ctzll(rare); /* word i of the 64, in order */
+                rare &= rare - 1;
+                uint8_t key = exps[64 * g + (size_t)i];
+                uint32_t r = k->seen[key]++;
+                if (diff[g] >> i & 1) {
+                    if (k->fill[key] >= start[key + 1]) return wrong;
+                    gaps[k->fill[key]++] = (uint64_t)((int64_t)r - k->last[key] - 1);
+                    k->last[key] = r;
+                }
+            }
+        }
+    }
+    for (size_t i = full; i < nwords; i++) { /* the last words, fewer than 64 */
+        uint8_t key = (uint8_t)(w[i] >> 7);
+        uint64_t moved = w[i] != t[i];
+        found += moved;
+        if (key >= lo && key <= hi) {
+            if (k->map[key]) append_bits(&k->bits[key], k->map[key], moved, 1);
+        } else {
+            uint32_t r = k->seen[key]++;
+            if (moved) {
+                if (k->fill[key] >= start[key + 1]) return wrong;
+                gaps[k->fill[key]++] = (uint64_t)((int64_t)r - k->last[key] - 1);
+                k->last[key] = r;
+            }
+        }
+    }
+    *changed = found;
+    return NULL;
+}
+
+/* The gaps between the set bits of a bitmap of `words` words (bit i of word j: rank 64 j + i)
+ * into gaps[from, to), and the last set rank (-1: none); the error if there are more. */
+static SELECT_TARGET const char *bitmap_gaps(const uint64_t *map, size_t words, uint64_t *gaps,
+                                             uint64_t from, uint64_t to, int64_t *last) {
+    int64_t before = -1;
+    uint64_t f = from;
+    for (size_t j = 0; j < words; j++) {
+        uint64_t v = map[j];
+        if (f + (uint64_t)__builtin_popcountll(v) > to) return "positions are not the changed words";
+        while (v) {
+            int64_t r = (int64_t)(64 * j) + __builtin_ctzll(v);
+            v &= v - 1;
+            gaps[f++] = (uint64_t)(r - before - 1);
+            before = r;
+        }
+    }
+    *last = before;
+    return f == to ? NULL : "positions are not the changed words";
+}
+#define SELECT_ENCODE_FROM 28
+static const char ENCODE_NO_MEMORY[] = "no memory";
+/* The bitmaps of encode_select, and the scratch of scatter_select: kept from call to call (a
+ * fresh allocation of a few MB costs its page faults again at every block). */
+static __thread uint64_t *encode_maps = NULL;
+static __thread size_t encode_maps_cap = 0;
+static __thread void *select_scratch = NULL;
+static __thread size_t select_scratch_cap = 0;
+
+/* context_encode of a BF16 block by the select walk: the positions checked and each one's key
+ * and zigzag move (kz, room for n), the contexts' offsets (start, counts before: zeroed, 257
+ * entries), last ranks and gaps, and the value planes in context order. The error or NULL
+ * (ENCODE_NO_MEMORY: malloc failed). */
+static const char *encode_select(const uint8_t *old, const uint8_t *target, size_t nwords,
+                                 const int64_t *pos, size_t n, uint32_t *kz, uint64_t *start,
+                                 int64_t *last, uint64_t *gaps, uint8_t *pl, size_t *contexts) {
+    const char *wrong = "positions are not the changed words";
+    const u16a *w = (const u16a *)old, *t = (const u16a *)target;
+    int64_t before = -1;
+    for (size_t j = 0; j < n; j++) {
+        int64_t p = pos[j];
+        if (p <= before || (uint64_t)p >= nwords) return "positions must increase within the block";
+        before = p;
+        uint16_t a = w[p], d = (uint16_t)(t[p] - a);
+        if (!d) return wrong;
+        uint16_t z = (uint16_t)((uint16_t)(d << 1) ^ (uint16_t)(0u - (d >> 15)));
+        uint32_t e = (uint32_t)(a >> 7) & 0xFF;
+        start[e + 1]++;
+        kz[j] = e | (uint32_t)z << 8;
+    }
+    uint8_t ctx[256];
+    size_t nctx = 0;
+    for (size_t e = 0; e < 256; e++) {
+        last[e] = -1;
+        if (start[e + 1]) ctx[nctx++] = (uint8_t)e;
+        start[e + 1] += start[e];
+    }
+    *contexts = nctx;
+    uint64_t fill[256];
+    memcpy(fill, start, sizeof fill);
+    for (size_t j = 0; j < n; j++) { /* the value planes, in context order */
+        uint32_t v = kz[j];
+        uint64_t s = fill[v & 0xFF]++;
+        pl[s] = (uint8_t)(v >> 8);
+        pl[n + s] = (uint8_t)(v >> 16);
+    }
+    size_t lo, hi;
+    select_range(w, nwords, ctx, nctx, &lo, &hi);
+    size_t span = nwords / 64 + 2; /* a key's bitmap: a bit for each of its words, and room */
+    EncodeKeys *k = calloc(1, sizeof *k);
+    if (!k || reserve_quiet((void **)&encode_maps, &encode_maps_cap, (hi - lo + 1) * span * 8)) {
+        free(k);
+        return ENCODE_NO_MEMORY;
+    }
+    uint64_t *arena = encode_maps;
+    for (size_t e = 0; e < 256; e++) k->fill[e] = start[e], k->last[e] = -1;
+    for (size_t c = lo; c <= hi; c++) k->map[ctx[c]] = arena + (c - lo) * span;
+    size_t changed = 0;
+    const char *error = e2_select_bf16(w, t, nwords, k, start, gaps, ctx + lo, hi - lo + 1,
+                                       ctx[lo], ctx[hi], &changed);
+    if (!error && changed != n) error = wrong;
+    for (size_t c = 0; c < nctx && !error; c++) {
+        size_t e = ctx[c];
+        if (c >= lo && c <= hi) {
+            BitAppender *b = &k->bits[e];
+            k->map[e][b->at] = b->acc;
+            error = bitmap_gaps(k->map[e], b->at + 1, gaps, start[e], start[e + 1], &last[e]);
+        } else {
+            if (k->fill[e] != start[e + 1]) error = wrong;
+            last[e] = k->last[e];
+        }
+    }
+    free(k);
+    return error;
+}
+#endif
+
 /* context_encode(old, new, word, shift, bits, positions) -> (table, unary, remainder, planes):
  * the streams of a context block (codec 4) for the changed words at `positions` (sorted
  * int64, all the words where old and new differ): the context table before compression
@@ -2073,8 +2331,21 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
     uint32_t mask = (uint32_t)((1u << bits) - 1);
     const char *bad = NULL;
     size_t contexts = 0;
+#if HAVE_AVX2_LOOPS
+    /* The select walk pays from about 1 change in 28 words: below, counting every word's key
+     * (the sparse path) takes less than the pass over each context's key. */
+    int select = use_select && word == 2 && shift == 7 && bits == 8 &&
+                 n * SELECT_ENCODE_FROM >= nwords;
+#endif
     uint64_t unary_bits = 0, remainder_bits = 0;
     Py_BEGIN_ALLOW_THREADS
+#if HAVE_AVX2_LOOPS
+    if (select) {
+        bad = encode_select(old.buf, nw.buf, nwords, pos, n, (uint32_t *)rank, start, last, gaps,
+                            pl, &contexts);
+        goto planned;
+    }
+#endif
     int dense = n * DENSE_FROM >= nwords;
     int64_t before = -1;
     /* The dense walk finds the changes itself and only needs their count. */
@@ -2138,6 +2409,11 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
                 for (int b = 0; b < word; b++) pl[(size_t)b * n + s] = moves[(size_t)word * j + b];
             }
         }
+    }
+#if HAVE_AVX2_LOOPS
+planned:
+#endif
+    if (!bad) {
         for (size_t e = 0; e < nkeys; e++) {
             size_t m = start[e + 1] - start[e];
             if (!m) continue;
@@ -2150,6 +2426,10 @@ static PyObject *context_encode(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     if (bad) {
+#if HAVE_AVX2_LOOPS
+        if (bad == ENCODE_NO_MEMORY) PyErr_NoMemory();
+        else
+#endif
         PyErr_Format(PyExc_ValueError, "context_encode: %s", bad);
         goto done;
     }
@@ -2606,11 +2886,6 @@ static const char *scatter_sparse(uint8_t *block, size_t nwords, int word, int s
  * outside one range [lo, hi] of exponents, chosen from a sample of the block, are met a word
  * at a time instead, through a mask of the words outside the range. The same checks as
  * scatter_dense; the same bytes. */
-#define SELECT_CHUNK 4096 /* words: their exponent bytes and change masks stay in L1 */
-#define SELECT_TARGET __attribute__((target("avx2,popcnt,bmi,bmi2,lzcnt")))
-#define SELECT_RARE_COST 38 /* cycles for a word met on its own (measured) */
-#define SELECT_KEY_COST 5   /* for a context's key on 64 words in the vector pass */
-
 typedef struct {
     uint32_t off[256], lim[256], seen[256], jk[256];
 } SelectKeys;
@@ -2639,7 +2914,7 @@ static inline uint32_t select_one(const uint8_t *bytes, SelectKeys *t, uint8_t k
 }
 
 static SELECT_TARGET __attribute__((noinline)) void s2_select_bf16(
-    uint16_t *w, size_t nwords, const uint8_t *bytes, SelectKeys *t, const uint16_t *delta,
+    u16a *w, size_t nwords, const uint8_t *bytes, SelectKeys *t, const uint16_t *delta,
     const uint8_t *keys, size_t nsel, int lo, int hi) {
     uint8_t exps[SELECT_CHUNK];
     uint64_t hits[SELECT_CHUNK / 64];
@@ -2653,7 +2928,7 @@ static SELECT_TARGET __attribute__((noinline)) void s2_select_bf16(
     size_t full = nwords / 64 * 64;
     for (size_t s = 0; s < full; s += SELECT_CHUNK) {
         size_t n = full - s < SELECT_CHUNK ? full - s : SELECT_CHUNK, ng = n / 64;
-        uint16_t *v = w + s;
+        u16a *v = w + s;
         for (size_t g = 0; g < 2 * ng; g++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(v + 32 * g));
             __m256i b = _mm256_loadu_si256((const __m256i *)(v + 32 * g + 16));
@@ -2714,7 +2989,7 @@ static SELECT_TARGET __attribute__((noinline)) void s2_select_bf16(
         }
         for (size_t g = 0; g < ng; g++) {
             uint64_t h = hits[g];
-            uint16_t *x = v + 64 * g;
+            u16a *x = v + 64 * g;
             const uint8_t *e = exps + 64 * g;
             while (h) {
                 int p = __builtin_clzll(h); /* bit 63 - p: word p of the 64 */
@@ -2822,6 +3097,7 @@ static const char *scatter_select(uint8_t *block, size_t nwords, const int64_t *
     SelectKeys *t = scratch; /* zeroed: keys without a context read bit 0, always clear */
     uint64_t *bitmap = (uint64_t *)(t + 1);
     size_t nbitmap = select_bitmap_words(nwords, nctx);
+    memset(scratch, 0, sizeof *t + nbitmap * 8);
     uint16_t *delta = (uint16_t *)(bitmap + nbitmap);
     /* Region c at [off, off + lim) after SELECT_PAD clear bits; a valid block's regions add up
      * to at most nwords bits (lim is at most the count of the key's words), so a decode, whose
@@ -2848,31 +3124,14 @@ static const char *scatter_select(uint8_t *block, size_t nwords, const int64_t *
         at += (uint64_t)last + 1 + SELECT_PAD;
         first += cnt[c];
     }
-    /* The range of keys for the vector pass: least cost by the sampled counts of the keys. */
-    uint32_t sample[256] = {0};
-    const uint16_t *w = (const uint16_t *)block;
-    size_t step = nwords >= 64 * 1024 ? 16 * 64 : 64;
-    for (size_t i = 0; i + 64 <= nwords; i += step)
-        for (size_t j = i; j < i + 64; j++) sample[(w[j] >> 7) & 0xFF]++;
-    uint64_t below[257]; /* sampled words with keys below e */
-    below[0] = 0;
-    for (size_t e = 0; e < 256; e++) below[e + 1] = below[e] + sample[e];
-    double scale = (double)nwords / (double)(below[256] ? below[256] : 1);
-    double best = -1;
-    size_t blo = 0, bhi = 0;
-    for (size_t a = 0; a < nctx; a++)
-        for (size_t b = a; b < nctx; b++) {
-            double outside = (double)(below[256] - below[key[b] + 1] + below[key[a]]) * scale;
-            double cost = (double)(b - a + 1) * (double)(nwords / 64) * SELECT_KEY_COST +
-                          outside * SELECT_RARE_COST;
-            if (best < 0 || cost < best) best = cost, blo = a, bhi = b;
-        }
     uint8_t keys[256];
-    for (size_t c = blo; c <= bhi; c++) keys[c - blo] = (uint8_t)key[c];
+    for (size_t c = 0; c < nctx; c++) keys[c] = (uint8_t)key[c];
+    size_t blo, bhi;
+    select_range((const u16a *)block, nwords, keys, nctx, &blo, &bhi);
     s2_moves_avx2(src, count, delta);
     /* The walk reads the bitmap as a stream of bytes, most significant bit first. */
     for (size_t i = 0; i < nbitmap; i++) bitmap[i] = __builtin_bswap64(bitmap[i]);
-    s2_select_bf16((uint16_t *)block, nwords, (const uint8_t *)bitmap, t, delta, keys,
+    s2_select_bf16((u16a *)block, nwords, (const uint8_t *)bitmap, t, delta, keys + blo,
                    bhi - blo + 1, (int)key[blo], (int)key[bhi]);
     /* Every change is met: each key took as many moves as its context has. */
     first = 0;
@@ -2931,15 +3190,23 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
     }
     if (take_planes(planes, (Py_ssize_t)count, word, "context_scatter", views, src, &held, &zero) < 0)
         goto done;
+#if HAVE_AVX2_LOOPS
     int select = use_select && word == 2 && shift == 7 && bits == 8;
-    int dense = count * SCATTER_DENSE_FROM >= nwords;
-    if (!dense && !select) rank = malloc(count * 8);
-    scratch = select  ? calloc(1, scatter_select_scratch(nwords, nctx, (size_t)count))
-              : dense ? calloc(1, scatter_dense_scratch(nwords, word, bits, count))
-                      : malloc(nkeys * 8);
-    if ((!dense && !select && !rank) || !scratch) {
-        PyErr_NoMemory();
+    if (select && reserve(&select_scratch, &select_scratch_cap,
+                          scatter_select_scratch(nwords, nctx, (size_t)count)) < 0)
         goto done;
+#else
+    int select = 0;
+#endif
+    int dense = count * SCATTER_DENSE_FROM >= nwords;
+    if (!select) {
+        if (!dense) rank = malloc(count * 8);
+        scratch = dense ? calloc(1, scatter_dense_scratch(nwords, word, bits, count))
+                        : malloc(nkeys * 8);
+        if ((!dense && !rank) || !scratch) {
+            PyErr_NoMemory();
+            goto done;
+        }
     }
     /* Quotients are at most the gaps, which add up to less than nwords: read no further. */
     size_t ulen = (size_t)u.len, bound = ((size_t)count + nwords + 7) / 8;
@@ -2950,7 +3217,7 @@ static PyObject *context_scatter(PyObject *self, PyObject *args) {
 #if HAVE_AVX2_LOOPS
     if (select) {
         error = scatter_select(w.buf, nwords, key, kof, cnt, nctx, ub, ulen, rb, rend,
-                               (size_t)count, src, scratch);
+                               (size_t)count, src, select_scratch);
     } else
 #endif
     if (dense) {

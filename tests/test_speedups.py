@@ -643,6 +643,36 @@ def test_context_encode_refuses_positions_that_are_not_the_changes():
 
 
 @needs_native
+def test_context_encode_refuses_wrong_positions_with_every_walk():
+    """Many changes (1 in 4 words: the select walk where it runs, the dense walk elsewhere):
+    positions out of order, one at a word that did not change (with or without the change it
+    stands for), and one changed word left out. The select walk refuses each; the dense walk,
+    which finds the changes itself and checks only their count, refuses or codes the changes."""
+    rng = np.random.default_rng(5)
+    old = _bf16_block(10_000, np.arange(110, 126), rng)
+    new = old.copy()
+    new[::4] += np.uint16(1)
+    changed = np.arange(0, 10_000, 4, dtype=np.int64)
+    cases = [
+        ("increase", changed[::-1].copy()),
+        ("not the changed words", np.sort(np.append(changed, 1))),  # word 1 did not change
+        ("not the changed words", np.sort(np.append(changed[1:], 1))),  # ... nor is 0 listed
+        ("not the changed words", changed[:-1].copy()),  # the last change is left out
+    ]
+    old8, new8 = old.view(np.uint8), new.view(np.uint8)
+    for loops in simd_modes():
+        right = NATIVE.context_encode(old8, new8, 2, 7, 8, changed)
+        for match, positions in cases:
+            try:
+                got = NATIVE.context_encode(old8, new8, 2, 7, 8, positions)
+            except ValueError as error:
+                assert match in str(error), (loops, str(error))
+            else:
+                assert not NATIVE.select_walk(), (match, loops)
+                assert got == right, (match, loops)
+
+
+@needs_native
 def test_context_scatter_refuses_damaged_streams():
     """The in-place decoder refuses what the numpy decoder refuses (CorruptPatchError)."""
     rng = np.random.default_rng(3)
@@ -703,13 +733,18 @@ def _bf16_block(nwords: int, exponents: np.ndarray, rng: np.random.Generator) ->
 
 
 def _apply_each_way(old: np.ndarray, new: np.ndarray) -> None:
-    """The context payload of old -> new (uint16 BF16 words) applied in place with each set of
-    loops (the select walk where this CPU runs it) and by numpy: each gives ``new``."""
+    """The context payload of old -> new (uint16 BF16 words), encoded with each set of loops
+    (the select walk where this CPU runs it, from 1 change in 28 words) as numpy encodes it,
+    and applied in place with each and by numpy: each gives ``new``."""
     old8, new8 = old.view(np.uint8), new.view(np.uint8)
     positions = find_changes(old8, new8, 2)
     if positions.size == 0:
         return
-    payload, paired = context.encode(old8, new8, 2, positions, CONTEXT_KEYS[2], 3, pair=True)
+    slow = context._encode_numpy(old8, new8, 2, positions, CONTEXT_KEYS[2], 3, pair=True)
+    for loops in simd_modes():
+        got = context.encode(old8, new8, 2, positions, CONTEXT_KEYS[2], 3, pair=True)
+        assert got == slow, loops
+    payload, paired = slow
     for loops in simd_modes():
         patched = old8.copy()
         assert context.add_in_place(patched, payload, 2, paired)
