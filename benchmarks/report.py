@@ -80,8 +80,10 @@ def _generic_cell(g: dict[str, Any], tool: str, changed: int) -> str:
 # A reference whose best time per byte is over this many times the median of the run's pairs
 # is not trusted: every pair copies and compares a checkpoint of the same kind, so the
 # references should agree, and one that does not was slowed by the machine (on a shared VM
-# every round of one pair's `cp` once took 1.21 s against 0.27-0.38 s for the others).
-SLOW_REFERENCE = 1.5
+# every round of one pair's `cp` once took 1.21 s against 0.27-0.38 s for the others; in
+# another run two pairs' best `cp` took 0.42-0.43 s against 0.29-0.31 s, 1.4x, which at the
+# bound of 1.5 then used turned an `apply` that had not changed into a target met).
+SLOW_REFERENCE = 1.25
 REFERENCES = {
     "compare": ("diff_vs_compare", "max_diff_vs_compare"),
     "cp": ("apply_vs_cp", "max_apply_vs_cp"),
