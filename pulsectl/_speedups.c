@@ -337,17 +337,58 @@ static AVX2_TARGET size_t w2_list_avx2(const uint8_t *a, const uint8_t *b, size_
 }
 #endif
 
-/* changes() lists into a scratch buffer of its thread, kept between calls (room for every word
- * of the largest block seen: only the pages a listing reaches are ever touched), and returns a
- * copy of what was found. */
+/* Buffers of each thread, kept from call to call (a fresh allocation of a few MB costs its
+ * page faults again at every block):
+ * - changes() lists into `scratch` (room for every word of the largest block seen: only the
+ *   pages a listing reaches are ever touched), and returns a copy of what was found;
+ * - context_encode keeps each change's rank, gap, key and move in `ctx_scratch`, and the
+ *   select walk's bitmaps in `encode_maps`; context_scatter's select walk, its scratch in
+ *   `select_scratch`.
+ * They are freed when their thread ends (a program that applies patches step after step makes
+ * new worker threads each time: it used to keep every dead thread's buffers, ~16 MB each). */
 static __thread int64_t *scratch = NULL;
 static __thread size_t scratch_cap = 0;
+static __thread uint8_t *ctx_scratch = NULL;
+static __thread size_t ctx_scratch_cap = 0;
+static __thread uint64_t *encode_maps = NULL;
+static __thread size_t encode_maps_cap = 0;
+static __thread void *select_scratch = NULL;
+static __thread size_t select_scratch_cap = 0;
 
-/* At least `size` bytes in *buf (its capacity in *cap); -1 with MemoryError set if not. */
-/* A buffer of at least `size` bytes, kept for the next call: -1 where malloc fails (without
- * the GIL: reserve_quiet, which sets no exception). */
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+static __thread int buffers_watched = 0;
+
+static void free_thread_buffers(void *unused) {
+    free(scratch);
+    free(ctx_scratch);
+    free(encode_maps);
+    free(select_scratch);
+    scratch = NULL, ctx_scratch = NULL, encode_maps = NULL, select_scratch = NULL;
+    scratch_cap = ctx_scratch_cap = encode_maps_cap = select_scratch_cap = 0;
+    buffers_watched = 0;
+}
+
+static void make_buffers_key(void) { pthread_key_create(&buffers_key, free_thread_buffers); }
+
+/* The thread's buffers are freed when it ends (the key's value must not be NULL for that). */
+static void watch_thread_buffers(void) {
+    if (buffers_watched) return;
+    pthread_once(&buffers_once, make_buffers_key);
+    buffers_watched = pthread_setspecific(buffers_key, &buffers_once) == 0;
+}
+#else
+static void watch_thread_buffers(void) {}
+#endif
+
+/* At least `size` bytes in one of the thread's buffers (*buf, its capacity in *cap): -1 where
+ * malloc fails, without an exception (reserve_quiet, which needs no GIL) or with MemoryError
+ * set (reserve). */
 static int reserve_quiet(void **buf, size_t *cap, size_t size) {
     if (*cap >= size) return 0;
+    watch_thread_buffers();
     free(*buf);
     *cap = 0;
     if (!(*buf = malloc(size))) return -1;
@@ -2021,10 +2062,6 @@ static int gap_quotient_sums(const void *gaps, size_t n, int from, int count, ui
     return 1;
 }
 
-/* context_encode's arrays of each change (rank, gap, key, move), kept between calls as
- * list_changes keeps its own. */
-static __thread uint8_t *ctx_scratch = NULL;
-static __thread size_t ctx_scratch_cap = 0;
 
 /* From this share of changed words (1 in DENSE_FROM) context_encode walks the block with
  * DENSE_WALK_OF's branch-free loop. */
@@ -2208,12 +2245,6 @@ static SELECT_TARGET const char *bitmap_gaps(const uint64_t *map, size_t words, 
 }
 #define SELECT_ENCODE_FROM 28
 static const char ENCODE_NO_MEMORY[] = "no memory";
-/* The bitmaps of encode_select, and the scratch of scatter_select: kept from call to call (a
- * fresh allocation of a few MB costs its page faults again at every block). */
-static __thread uint64_t *encode_maps = NULL;
-static __thread size_t encode_maps_cap = 0;
-static __thread void *select_scratch = NULL;
-static __thread size_t select_scratch_cap = 0;
 
 /* context_encode of a BF16 block by the select walk: the positions checked and each one's key
  * and zigzag move (kz, room for n), the contexts' offsets (start, counts before: zeroed, 257
