@@ -3561,8 +3561,8 @@ static PyObject *simd(PyObject *self, PyObject *level) {
     return PyUnicode_FromString(use_avx512 ? "avx512" : use_avx2 ? "avx2" : "portable");
 }
 
-/* select_walk() -> bool: whether BF16 context blocks are applied by the select walk (AVX2 loops
- * in use, and a fast PDEP). */
+/* select_walk() -> bool: whether BF16 context blocks are applied (and, from 1 change in 28
+ * words, encoded) by the select walk: AVX2 loops in use, and a fast PDEP. */
 static PyObject *select_walk(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(use_select);
 }
@@ -3617,8 +3617,9 @@ static PyMethodDef methods[] = {
     {"remove_cleanup", remove_cleanup, METH_VARARGS,
      "remove_cleanup(token): forget a path given to add_cleanup."},
     {"select_walk", select_walk, METH_NOARGS,
-     "select_walk() -> bool: whether BF16 context blocks are applied by the select walk (with "
-     "the AVX2 loops in use, where PDEP is fast: Intel, AMD from Zen 3)."},
+     "select_walk() -> bool: whether BF16 context blocks are applied (and, from 1 change in 28 "
+     "words, encoded) by the select walk: with the AVX2 loops in use, where PDEP is fast "
+     "(Intel, AMD from Zen 3)."},
     {"simd", simd, METH_O,
      "simd(level) -> 'avx512', 'avx2' or 'portable': the loops in use after allowing at most "
      "`level` ('avx512', 'avx2', 'portable'; True: the best, False: portable), each where the "

@@ -9,7 +9,8 @@ On x86-64 CPUs with AVX-512 (with VBMI and VBMI2) a few loops run in an AVX-512 
 import (finding changes, Rice coding and decoding, the context codec's dense walks, pairing value
 planes); on those with AVX2 but not AVX-512, finding changes and pairing run in AVX2 versions.
 Where the AVX2 loops run and PDEP is fast (Intel, AMD from Zen 3), `--level max` blocks of BF16
-words are applied by the select walk, which finds their changes 64 words at a time.
+words are applied, and encoded from 1 change in 28 words, by the select walk, which finds their
+changes 64 words at a time.
 ``PULSECTL_SIMD=avx512|avx2|portable`` allows at most those loops (same bytes; the tests run
 each set this CPU has); ``PULSECTL_NO_AVX512=1`` is ``PULSECTL_SIMD=avx2``.
 """
