@@ -2071,6 +2071,13 @@ static int gap_quotient_sums(const void *gaps, size_t n, int from, int count, ui
 #define SELECT_CHUNK 4096 /* words: their exponent bytes and change masks stay in L1 */
 #define SELECT_TARGET __attribute__((target("avx2,popcnt,bmi,bmi2,lzcnt")))
 
+/* The 64-bit mask of 64 bytes' comparisons (0 or 0xFF each): bytes 0-31 in `lo`, 32-63 in
+ * `hi`; bit i for byte i. */
+static inline SELECT_TARGET uint64_t byte_mask64(__m256i lo, __m256i hi) {
+    return (uint64_t)(uint32_t)_mm256_movemask_epi8(hi) << 32 |
+           (uint32_t)_mm256_movemask_epi8(lo);
+}
+
 #define SELECT_RARE_COST 38 /* cycles for a word met on its own (measured) */
 #define SELECT_KEY_COST 5   /* for a context's key on 64 words in the vector pass */
 
@@ -2171,12 +2178,9 @@ static SELECT_TARGET __attribute__((noinline)) const char *e2_select_bf16(
             for (size_t g = 0; g < ng; g++) {
                 __m256i e0 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g));
                 __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
-                uint64_t m0 =
-                    (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v0)) << 32 |
-                    (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v0));
+                uint64_t m0 = byte_mask64(_mm256_cmpeq_epi8(e0, v0), _mm256_cmpeq_epi8(e1, v0));
                 uint64_t m1 =
-                    ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v1)) << 32 |
-                     (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v1))) & both;
+                    byte_mask64(_mm256_cmpeq_epi8(e0, v1), _mm256_cmpeq_epi8(e1, v1)) & both;
                 append_bits(&b0, o0, _pext_u64(diff[g], m0),
                             (unsigned)__builtin_popcountll(m0));
                 append_bits(&b1, o1, _pext_u64(diff[g], m1),
@@ -2190,8 +2194,7 @@ static SELECT_TARGET __attribute__((noinline)) const char *e2_select_bf16(
             __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
             e0 = _mm256_cmpeq_epi8(_mm256_subs_epu8(_mm256_sub_epi8(e0, lo8), span), zero);
             e1 = _mm256_cmpeq_epi8(_mm256_subs_epu8(_mm256_sub_epi8(e1, lo8), span), zero);
-            uint64_t rare = ~((uint64_t)(uint32_t)_mm256_movemask_epi8(e1) << 32 |
-                              (uint32_t)_mm256_movemask_epi8(e0));
+            uint64_t rare = ~byte_mask64(e0, e1);
             while (rare) {
                 int i = __builtin_ctzll(rare); /* word i of the 64, in order */
                 rare &= rare - 1;
@@ -2988,12 +2991,9 @@ static SELECT_TARGET __attribute__((noinline)) void s2_select_bf16(
             for (size_t g = 0; g < ng; g++) {
                 __m256i e0 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g));
                 __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
-                uint64_t m0 =
-                    (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v0)) << 32 |
-                    (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v0));
+                uint64_t m0 = byte_mask64(_mm256_cmpeq_epi8(e0, v0), _mm256_cmpeq_epi8(e1, v0));
                 uint64_t m1 =
-                    ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e1, v1)) << 32 |
-                     (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(e0, v1))) & both;
+                    byte_mask64(_mm256_cmpeq_epi8(e0, v1), _mm256_cmpeq_epi8(e1, v1)) & both;
                 unsigned n0 = (unsigned)__builtin_popcountll(m0);
                 unsigned n1 = (unsigned)__builtin_popcountll(m1);
                 hits[g] |= _pdep_u64(select_bits(bytes, at0, n0), m0) |
@@ -3010,8 +3010,7 @@ static SELECT_TARGET __attribute__((noinline)) void s2_select_bf16(
             /* > 0: outside */
             e0 = _mm256_cmpeq_epi8(_mm256_subs_epu8(_mm256_sub_epi8(e0, lo8), span), zero);
             e1 = _mm256_cmpeq_epi8(_mm256_subs_epu8(_mm256_sub_epi8(e1, lo8), span), zero);
-            uint64_t rare = ~((uint64_t)(uint32_t)_mm256_movemask_epi8(e1) << 32 |
-                              (uint32_t)_mm256_movemask_epi8(e0));
+            uint64_t rare = ~byte_mask64(e0, e1);
             while (rare) {
                 int bit = 63 - __builtin_clzll(rare); /* the first word left: 63 - bit */
                 rare ^= 1ull << bit;
@@ -3062,48 +3061,26 @@ static SELECT_TARGET void s2_moves_avx2(const uint8_t *const *src, size_t count,
     delta[count] = 0;
 }
 
-/* context_bits for scatter_select without AVX-512, k >= 1: the same walk (RICE_WALK) with the
- * bits kept in a register until the walk moves to the next bitmap word, stored whole at every
- * change instead of at a branch on a new word (a context's bitmap words are its own: regions
- * lie SELECT_PAD clear bits apart), and the run's codes in each 64 bits of the unary stream
- * counted first, so the loop over them ends where the count says, not at a test of each code.
- * Also returns the run's last rank (`final`). */
+/* A bitmap's bits set one after another, at increasing indices, by storing the word they are
+ * in whole each time (the word is the caller's alone: nothing else is in it) instead of at a
+ * branch on a new word, which mispredicts wherever changes are dense. */
+static inline void store_next_bit(uint64_t *bitmap, uint64_t *word, uint64_t *acc, uint64_t g) {
+    uint64_t w = g >> 6;
+    *acc = (w == *word ? *acc : 0) | BIT_OF(g);
+    *word = w;
+    bitmap[w] = *acc;
+}
+
+/* context_bits for scatter_select without AVX-512, k >= 1, its bits set by store_next_bit
+ * (regions lie SELECT_PAD clear bits apart); also gives the run's last rank (`final`). */
 static const char *context_bits_select(const uint8_t *ub, size_t ulen, const uint8_t *rb,
                                        const uint8_t *rend, size_t count, int k, size_t nwords,
                                        uint64_t ubit0, uint64_t rbit0, uint64_t *bitmap,
                                        uint64_t off, uint64_t *next, int64_t *final) {
-    const char *past = "context block points past the end of a context";
-    const uint8_t *uend = ub + ulen;
-    uint64_t limit = (uint64_t)nwords >> k, rbit = rbit0, cur = off >> 6, acc = 0;
-    int64_t at = -1, end_before = (int64_t)ubit0 - 1;
-    size_t found = 0;
-    for (size_t w = ubit0 / 64; w * 8 < ulen && found < count; w++) {
-        uint64_t zeros = ~load_be64(ub + 8 * w, uend, 0xFF);
-        if (w == ubit0 / 64) zeros &= ~0ull >> (ubit0 % 64);
-        size_t n = (size_t)__builtin_popcountll(zeros);
-        if (n > count - found) n = count - found;
-        for (size_t j = 0; j < n; j++) {
-            int lead = __builtin_clzll(zeros);
-            zeros ^= 0x8000000000000000ull >> lead;
-            int64_t end = (int64_t)(64 * w) + lead;
-            uint64_t q = (uint64_t)(end - end_before - 1);
-            end_before = end;
-            uint64_t r = (load_be64(rb + (rbit >> 3), rend, 0) << (rbit & 7)) >> (64 - k);
-            rbit += (uint64_t)k;
-            if (q > limit) return past;
-            at += (int64_t)((q << k) + r + 1);
-            if (at >= (int64_t)nwords) return past;
-            uint64_t g = off + (uint64_t)at, gw = g >> 6;
-            acc = (gw == cur ? acc : 0) | 0x8000000000000000ull >> (g & 63);
-            cur = gw;
-            bitmap[gw] = acc;
-        }
-        found += n;
-    }
-    if (found < count) return "unary stream is too short";
-    *next = (uint64_t)(end_before + 1);
-    *final = at;
-    return NULL;
+    uint64_t word = off >> 6, acc = 0;
+    RICE_WALK(ubit0, rbit0, 0, -1, "context block points past the end of a context",
+              store_next_bit(bitmap, &word, &acc, off + (uint64_t)at),
+              (*next = (uint64_t)(end_before + 1), *final = at))
 }
 
 /* The clear bits after each region: a key still reads its region through the chunk in which
