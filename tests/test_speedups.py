@@ -129,14 +129,19 @@ def test_listing_into_reused_buffers(pairs: list[tuple[np.ndarray, np.ndarray, i
 def test_rice_streams_at_every_parameter(bits: int):
     """Every Rice parameter (so every way the AVX-512 encoder packs remainders: 16, 8 or 4 to a
     put, or one by one), on counts around the 16 codes it takes at a time: the streams equal
-    numpy's with both loops."""
+    numpy's with every set of loops, and decode to the positions with each (the vector walks
+    take k up to 24 with AVX-512 and 14 with AVX2, in blocks under 2^27 words)."""
     rng = np.random.default_rng(bits)
     for count in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000):
         steps = rng.integers(2**bits, 2 ** (bits + 1), count) if bits else np.ones(count, int)
         positions = (np.cumsum(steps) - 1).astype(np.int64)
         slow = both(lambda positions=positions: rice.rice_streams(positions))[1]
+        k, unary, remainder = slow
         for loops in simd_modes():
             assert rice.rice_streams(positions) == slow, (count, loops)
+            for nwords in (int(positions[-1]) + 1, int(positions[-1]) + 100):
+                got = NATIVE.rice_decode(unary, remainder, count, k, nwords)
+                assert np.array_equal(np.frombuffer(got, np.int64), positions), (count, loops)
 
 
 @needs_native
@@ -185,7 +190,7 @@ def test_rice_streams_and_decoding_agree(positions: np.ndarray):
     for size in both(lambda: rice.rice_size(positions)):
         assert size == (k, len(unary), len(remainder))
     nwords = int(positions[-1]) + 1
-    for loops in simd_modes():  # decoded 16 codes at a time with AVX-512 where it can
+    for loops in simd_modes():  # decoded 16 (AVX-512) or 8 (AVX2) codes at a time
         for streams_nwords in (nwords, nwords + 12345):
             decoded = NATIVE.rice_decode(unary, remainder, positions.size, k, streams_nwords)
             assert np.array_equal(np.frombuffer(decoded, np.int64), positions), loops
@@ -269,7 +274,7 @@ def test_rice_blocks_applied_in_place_agree(word, count, scale, spare, seed):
     want = old.copy()
     want.view(utype)[positions] += moved
     assert slow.tobytes() == want.tobytes()
-    for loops in simd_modes():  # the AVX-512 walk decodes 16 codes at a time
+    for loops in simd_modes():  # the vector walks decode 16 (AVX-512) or 8 (AVX2) at a time
         fast = old.copy()
         assert rice.add_in_place(fast, payload, word)
         assert fast.tobytes() == want.tobytes(), loops
@@ -320,8 +325,8 @@ def _rice_bits(
 @pytest.mark.parametrize("count", [16, 64, 1000])
 @pytest.mark.parametrize("pad", [b"", b"\xff" * 8, b"\x00" * 16])
 def test_rice_last_position_at_the_block_end(count: int, pad: bytes):
-    """A last position of exactly nwords - 1 decodes; one block word fewer is refused, in both
-    walks (the padding puts the last codes in whole 64-bit words, where the AVX-512 walk takes
+    """A last position of exactly nwords - 1 decodes; one block word fewer is refused, in every
+    walk (the padding puts the last codes in whole 64-bit words, where the vector walks take
     them)."""
     rng = np.random.default_rng(count)
     k = 3
@@ -345,7 +350,7 @@ def test_rice_last_position_at_the_block_end(count: int, pad: bytes):
 
 
 @needs_native
-@pytest.mark.parametrize("k", [8, 20, 24])
+@pytest.mark.parametrize("k", [8, 14, 20, 24])  # 14, 24: the most the AVX2, AVX-512 walks take
 def test_rice_quotients_past_the_block_are_refused(k: int):
     """A quotient whose shifted value wraps around 32 bits back into the block (2^(32 - k)
     ones) is refused as the scalar walk refuses it, not taken for a small position."""
@@ -380,8 +385,8 @@ def test_damaged_rice_streams_agree_with_numpy(
     word, count, scale, spare, seed, cut, flips, rflips, pad
 ):
     """With unary streams cut short or bits flipped in either stream, the compiled walks (the
-    AVX-512 one, 16 codes at a time, and the scalar one) refuse what numpy refuses and give its
-    positions and words otherwise."""
+    vector ones, 16 codes at a time with AVX-512 and 8 with AVX2, and the scalar one) refuse what
+    numpy refuses and give its positions and words otherwise."""
     rng = np.random.default_rng(seed)
     steps = rng.geometric(1 / scale, count) if scale > 1 else np.ones(count, dtype=np.int64)
     positions = (np.cumsum(steps) - 1).astype(np.int64)
