@@ -3328,16 +3328,34 @@ static inline void store_next_bit(uint64_t *bitmap, uint64_t *word, uint64_t *ac
     bitmap[w] = *acc;
 }
 
+/* The scalar walk of context_bits_select, from code found0 (see RICE_WALK). */
+static const char *context_bits_select_walk(const uint8_t *ub, size_t ulen, const uint8_t *rb,
+                                            const uint8_t *rend, size_t count, int k,
+                                            size_t nwords, uint64_t ubit0, uint64_t rbit0,
+                                            uint64_t *bitmap, uint64_t off, uint64_t *next,
+                                            int64_t *final, uint64_t word, uint64_t acc,
+                                            size_t found0, int64_t at0) {
+    RICE_WALK(ubit0, rbit0, found0, at0, "context block points past the end of a context",
+              store_next_bit(bitmap, &word, &acc, off + (uint64_t)at),
+              (*next = (uint64_t)(end_before + 1), *final = at))
+}
+
 /* context_bits for scatter_select without AVX-512, k >= 1, its bits set by store_next_bit
- * (regions lie SELECT_PAD clear bits apart); also gives the run's last rank (`final`). */
+ * (regions lie SELECT_PAD clear bits apart); also gives the run's last rank (`final`). The
+ * AVX2 vector walk takes the codes it can, the scalar walk the rest. */
 static const char *context_bits_select(const uint8_t *ub, size_t ulen, const uint8_t *rb,
                                        const uint8_t *rend, size_t count, int k, size_t nwords,
                                        uint64_t ubit0, uint64_t rbit0, uint64_t *bitmap,
                                        uint64_t off, uint64_t *next, int64_t *final) {
     uint64_t word = off >> 6, acc = 0;
-    RICE_WALK(ubit0, rbit0, 0, -1, "context block points past the end of a context",
-              store_next_bit(bitmap, &word, &acc, off + (uint64_t)at),
-              (*next = (uint64_t)(end_before + 1), *final = at))
+    size_t found = 0;
+    int64_t at = -1, end_before = (int64_t)ubit0 - 1;
+    RICE_VEC_FIRST(ubit0, rbit0,
+                   for (size_t j = 0; j < n; j++)
+                       store_next_bit(bitmap, &word, &acc, off + batch[j]))
+    return context_bits_select_walk(ub, ulen, rb, rend, count, k, nwords,
+                                    (uint64_t)(end_before + 1), rbit0, bitmap, off, next, final,
+                                    word, acc, found, at);
 }
 
 /* The clear bits after each region: a key still reads its region through the chunk in which
