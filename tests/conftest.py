@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,25 @@ from safetensors import safe_open
 from pulsectl.apply import apply_patches
 from pulsectl.diff import DiffOptions, diff_checkpoints
 from pulsectl.synth import generate_chain
+
+
+@pytest.fixture(autouse=True)
+def _interrupts_raise() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt inside every test, as in a terminal.
+
+    A shell without job control starts background jobs (`./.ci/run &`, nohup) with SIGINT
+    ignored, and Python then installs no handler for it: the tests that send themselves
+    SIGINT to stand for a user's Ctrl-C would see nothing happen.
+    """
+    before = signal.getsignal(signal.SIGINT)
+    if before == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if before == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, before)
+
 
 TEMP_GLOB = ".*.pulsectl-tmp-*"
 
