@@ -589,6 +589,8 @@ static AVX2_TARGET int quotient_sums_avx2(const void *positions, size_t n, int f
 static int quotient_sums(const void *positions, size_t n, int from, int count, uint64_t *out) {
 #if HAVE_AVX512_LOOPS
     if (use_avx512) return quotient_sums_avx512(positions, n, from, count, out);
+#endif
+#if HAVE_AVX2_LOOPS
     if (use_avx2) return quotient_sums_avx2(positions, n, from, count, out);
 #endif
     return quotient_sums_portable(positions, n, from, count, out);
@@ -926,13 +928,30 @@ static inline __attribute__((always_inline)) AVX2_TARGET void rice_put_8_avx2(
     }
 }
 
-/* Both Rice streams of the codes of the increasing positions pos[from..n), 8 at a time, from
- * >= 1 (each gap counts from the position before). Returns how far it got. */
+/* The gaps (position - previous - 1) of the 4 increasing positions at pos; lane 3 of *before
+ * is the position before them (-1 first), and *before becomes these 4 (gaps_of_8, 4 lanes). */
+static inline __attribute__((always_inline)) AVX2_TARGET __m256i gaps_of_4(const int64_t *pos,
+                                                                          __m256i *before) {
+    __m256i p = _mm256_loadu_si256((const __m256i *)pos);
+    __m256i prev = _mm256_blend_epi32(_mm256_permute4x64_epi64(p, 0x90),
+                                      _mm256_permute4x64_epi64(*before, 0xFF), 0x03);
+    *before = p;
+    return _mm256_sub_epi64(_mm256_sub_epi64(p, prev), _mm256_set1_epi64x(1));
+}
+
+/* Both Rice streams of the first codes of the increasing positions pos, 8 at a time
+ * (rice_put_8_avx2). Returns how many codes are done. The first 8 gaps take the position
+ * before them from a register (gaps_of_4); the rest load it, which measured 8-30% faster than
+ * shuffling it in for every 4 (0.62-0.85 against 0.81-0.93 ns a change, k = 0..6). */
 static AVX2_TARGET size_t rice_streams_avx2(TopWriter *u, TopWriter *r, const int64_t *pos,
-                                           size_t from, size_t n, int k) {
+                                           size_t n, int k) {
+    if (n < 8) return 0;
     const RiceCodes2 c = rice_codes_avx2(k);
     const __m256i one = _mm256_set1_epi64x(1);
-    size_t i = from;
+    __m256i before = _mm256_set1_epi64x(-1);
+    __m256i first = gaps_of_4(pos, &before);
+    rice_put_8_avx2(u, r, &c, first, gaps_of_4(pos + 4, &before));
+    size_t i = 8;
     for (; i + 8 <= n; i += 8) {
         __m256i pa = _mm256_loadu_si256((const __m256i *)(pos + i));
         __m256i pb = _mm256_loadu_si256((const __m256i *)(pos + i + 4));
@@ -980,17 +999,13 @@ static PyObject *rice_encode(PyObject *self, PyObject *args) {
     TopWriter u = {ubuf, 0, 0, 0}, r = {rbuf, 0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     size_t i = 0;
-    uint64_t low = (1ull << k) - 1, before = UINT64_MAX; /* the first gap counts from -1 */
 #if HAVE_AVX512_LOOPS
     if (use_avx512 && n >= 16) i = rice_streams_avx512(&u, &r, pos, n, k);
-    else if (use_avx2 && n >= 16) {
-        uint64_t g[8]; /* the first 8 here: the AVX2 loop reads the position before each */
-        for (int j = 0; j < 8; j++)
-            g[j] = (uint64_t)pos[j] - (j ? (uint64_t)pos[j - 1] : before) - 1;
-        rice_put_8(&u, &r, g, k);
-        i = rice_streams_avx2(&u, &r, pos, 8, n, k);
-    }
 #endif
+#if HAVE_AVX2_LOOPS
+    if (!use_avx512 && use_avx2) i = rice_streams_avx2(&u, &r, pos, n, k);
+#endif
+    uint64_t low = (1ull << k) - 1, before = UINT64_MAX; /* the first gap counts from -1 */
     for (; i + 8 <= n; i += 8) {
         uint64_t g[8];
         for (int j = 0; j < 8; j++) {
@@ -2748,7 +2763,9 @@ planned:
         size_t s = lo;
 #if HAVE_AVX512_LOOPS
         if (use_avx512 && hi - lo >= 16) s += rice_gaps_avx512(&u, &r, gaps + lo, hi - lo, k);
-        else if (use_avx2) s += rice_gaps_avx2(&u, &r, gaps + lo, hi - lo, k);
+#endif
+#if HAVE_AVX2_LOOPS
+        if (!use_avx512 && use_avx2) s += rice_gaps_avx2(&u, &r, gaps + lo, hi - lo, k);
 #endif
         for (; s + 8 <= hi; s += 8) rice_put_8(&u, &r, gaps + s, k);
         for (; s < hi; s++) {
