@@ -501,6 +501,45 @@ def test_hash_format(
     assert captured.err == ""
 
 
+def test_library_warnings_are_one_line_and_quiet_silences_them(
+    pair: tuple[Path, Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A library's warning (torch's, numpy's) during a command: one ``pulsectl: warning:``
+    line, where it came from under -v, nothing under -q; Python's own display afterwards."""
+    import warnings
+
+    import pulsectl.inventory
+
+    real = pulsectl.inventory.fingerprint_of
+
+    def warns(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn("a library says\nsomething", RuntimeWarning, stacklevel=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pulsectl.inventory, "fingerprint_of", warns)
+    before = warnings.showwarning
+    a = pair[0]
+    assert main(["hash", str(a)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "pulsectl: warning: a library says something\n"
+    assert captured.out.endswith(f"  {a}\n")
+    assert main(["hash", str(a), "-v"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("pulsectl: warning: a library says something (RuntimeWarning at ")
+    assert err.count("\n") == 1 and "test_cli.py:" in err
+    assert main(["-q", "hash", str(a)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.endswith(f"  {a}\n")
+    # The filters still decide: an error filter makes the warning an error, as Python's -W.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["hash", str(a)]) != 0
+    assert "a library says" in capsys.readouterr().err
+    assert warnings.showwarning is before
+
+
 def test_summary_says_when_the_patch_is_not_smaller(
     pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pulsectl._env import switch
-from pulsectl.errors import OutputError, PulseError, ReaderGoneError, UsageError
+from pulsectl.errors import (
+    OutputError,
+    PulseError,
+    ReaderGoneError,
+    UsageError,
+    escape_controls,
+)
 
 
 class Output:
@@ -40,6 +46,24 @@ class Output:
         """A message for a person (stderr); silenced by -q."""
         if not self.quiet:
             sys.stderr.write(text + "\n")
+
+    def warning(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        """``warnings.showwarning`` while a command runs: one line on stderr, silenced by -q;
+        where it was raised, under -v. The filters (``PYTHONWARNINGS``) still decide
+        which warnings come here."""
+        if self.quiet:
+            return
+        text = escape_controls(" ".join(str(message).split()))
+        where = f" ({category.__name__} at {filename}:{lineno})" if self.verbose else ""
+        sys.stderr.write(f"pulsectl: warning: {text}{where}\n")
 
     def rich(self, renderable: Any) -> None:
         """A rich table or text for a person, on stdout (it is the command's result)."""

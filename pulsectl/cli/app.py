@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -82,6 +83,9 @@ def _global(
     ] = False,
 ) -> None:
     ctx.obj = Output(quiet=quiet, verbose=verbose)
+    # A library's warnings (torch's, numpy's) as one line each, silenced by -q; main restores
+    # Python's own display when the command ends.
+    warnings.showwarning = ctx.obj.warning
 
 
 app.command("diff", cls=Command)(diff_cmd.diff)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     real_stdout = sys.stdout
     sys.stdout = GuardedStdout(real_stdout)  # a failed write to stdout is one line
     try:
-        with _placed.recording() as written:
+        with _placed.recording() as written, warnings.catch_warnings():
             return _main(args, written)
     finally:
         sys.stdout = real_stdout
