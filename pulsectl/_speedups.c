@@ -3223,63 +3223,59 @@ static inline uint32_t select_one(const uint8_t *bytes, SelectKeys *t, uint8_t k
 }
 
 /* The vector pass of s2_select_bf16 over one chunk's `ng` groups of 64 words (`exps`, laid out
- * backwards): the changed words of the `live` keys, two keys at a time, into `hits`. */
+ * backwards): the changed words of the `live` keys, two keys at a time, into `hits`. KEYS
+ * declares what MASKS needs of the two keys k0 and k1; MASKS sets m0 and m1, their words'
+ * masks among group g's 64 (bit i for byte i). */
+#define SELECT_KEYS(KEYS, MASKS)                                                              \
+    for (size_t c = 0; c < nlive; c += 2) {                                                   \
+        uint8_t k0 = live[c], k1 = c + 1 < nlive ? live[c + 1] : live[c];                     \
+        KEYS;                                                                                 \
+        uint64_t at0 = (uint64_t)t->off[k0] + t->seen[k0];                                    \
+        uint64_t at1 = (uint64_t)t->off[k1] + t->seen[k1];                                    \
+        uint64_t both = c + 1 < nlive ? ~0ull : 0; /* a lone last key: its twin adds 0 */     \
+        for (size_t g = 0; g < ng; g++) {                                                     \
+            uint64_t m0, m1;                                                                  \
+            MASKS;                                                                            \
+            m1 &= both;                                                                       \
+            unsigned n0 = (unsigned)__builtin_popcountll(m0);                                 \
+            unsigned n1 = (unsigned)__builtin_popcountll(m1);                                 \
+            hits[g] |= _pdep_u64(select_bits(bytes, at0, n0), m0) |                           \
+                       _pdep_u64(select_bits(bytes, at1, n1), m1);                            \
+            at0 += n0;                                                                        \
+            at1 += n1;                                                                        \
+        }                                                                                     \
+        t->seen[k0] = (uint32_t)(at0 - t->off[k0]);                                           \
+        if (both) t->seen[k1] = (uint32_t)(at1 - t->off[k1]);                                 \
+    }
+
 static SELECT_TARGET __attribute__((noinline)) void select_keys_avx2(
     const uint8_t *exps, size_t ng, uint64_t *hits, const uint8_t *bytes, SelectKeys *t,
     const uint8_t *live, size_t nlive) {
-    for (size_t c = 0; c < nlive; c += 2) {
-        uint8_t k0 = live[c], k1 = c + 1 < nlive ? live[c + 1] : live[c];
-        const __m256i v0 = _mm256_set1_epi8((char)k0), v1 = _mm256_set1_epi8((char)k1);
-        uint64_t at0 = (uint64_t)t->off[k0] + t->seen[k0];
-        uint64_t at1 = (uint64_t)t->off[k1] + t->seen[k1];
-        uint64_t both = c + 1 < nlive ? ~0ull : 0; /* a lone last key: its twin adds 0 */
-        for (size_t g = 0; g < ng; g++) {
-            __m256i e0 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g));
-            __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
-            uint64_t m0 = byte_mask64(_mm256_cmpeq_epi8(e0, v0), _mm256_cmpeq_epi8(e1, v0));
-            uint64_t m1 = byte_mask64(_mm256_cmpeq_epi8(e0, v1), _mm256_cmpeq_epi8(e1, v1)) & both;
-            unsigned n0 = (unsigned)__builtin_popcountll(m0);
-            unsigned n1 = (unsigned)__builtin_popcountll(m1);
-            hits[g] |= _pdep_u64(select_bits(bytes, at0, n0), m0) |
-                       _pdep_u64(select_bits(bytes, at1, n1), m1);
-            at0 += n0;
-            at1 += n1;
-        }
-        t->seen[k0] = (uint32_t)(at0 - t->off[k0]);
-        if (both) t->seen[k1] = (uint32_t)(at1 - t->off[k1]);
-    }
+    SELECT_KEYS(const __m256i v0 = _mm256_set1_epi8((char)k0);
+                const __m256i v1 = _mm256_set1_epi8((char)k1), {
+                    __m256i e0 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g));
+                    __m256i e1 = _mm256_loadu_si256((const __m256i *)(exps + 64 * g + 32));
+                    m0 = byte_mask64(_mm256_cmpeq_epi8(e0, v0), _mm256_cmpeq_epi8(e1, v0));
+                    m1 = byte_mask64(_mm256_cmpeq_epi8(e0, v1), _mm256_cmpeq_epi8(e1, v1));
+                })
 }
 
 #if HAVE_AVX512_LOOPS
 #define SELECT512_TARGET \
     __attribute__((target("avx512f,avx512bw,avx2,popcnt,bmi,bmi2,lzcnt")))
 
-/* select_keys_avx2 with AVX-512BW: one compare gives the 64 words' mask of a key (AVX2 takes
- * two compares, two byte masks and a shift), and the group's exponents are loaded once for
+/* select_keys_avx2 with AVX-512BW: one compare gives a key's mask of the 64 words (AVX2 takes
+ * two compares, two byte masks and a shift), and each group's exponents are loaded once for
  * the two keys. */
 static SELECT512_TARGET __attribute__((noinline)) void select_keys_avx512(
     const uint8_t *exps, size_t ng, uint64_t *hits, const uint8_t *bytes, SelectKeys *t,
     const uint8_t *live, size_t nlive) {
-    for (size_t c = 0; c < nlive; c += 2) {
-        uint8_t k0 = live[c], k1 = c + 1 < nlive ? live[c + 1] : live[c];
-        const __m512i v0 = _mm512_set1_epi8((char)k0), v1 = _mm512_set1_epi8((char)k1);
-        uint64_t at0 = (uint64_t)t->off[k0] + t->seen[k0];
-        uint64_t at1 = (uint64_t)t->off[k1] + t->seen[k1];
-        uint64_t both = c + 1 < nlive ? ~0ull : 0; /* a lone last key: its twin adds 0 */
-        for (size_t g = 0; g < ng; g++) {
-            __m512i e = _mm512_loadu_si512((const void *)(exps + 64 * g));
-            uint64_t m0 = _mm512_cmpeq_epi8_mask(e, v0);
-            uint64_t m1 = _mm512_cmpeq_epi8_mask(e, v1) & both;
-            unsigned n0 = (unsigned)__builtin_popcountll(m0);
-            unsigned n1 = (unsigned)__builtin_popcountll(m1);
-            hits[g] |= _pdep_u64(select_bits(bytes, at0, n0), m0) |
-                       _pdep_u64(select_bits(bytes, at1, n1), m1);
-            at0 += n0;
-            at1 += n1;
-        }
-        t->seen[k0] = (uint32_t)(at0 - t->off[k0]);
-        if (both) t->seen[k1] = (uint32_t)(at1 - t->off[k1]);
-    }
+    SELECT_KEYS(const __m512i v0 = _mm512_set1_epi8((char)k0);
+                const __m512i v1 = _mm512_set1_epi8((char)k1), {
+                    __m512i e = _mm512_loadu_si512((const void *)(exps + 64 * g));
+                    m0 = _mm512_cmpeq_epi8_mask(e, v0);
+                    m1 = _mm512_cmpeq_epi8_mask(e, v1);
+                })
 }
 #endif
 
