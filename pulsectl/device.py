@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pulsectl.errors import DeviceError, UsageError
+from pulsectl.errors import DeviceError, UsageError, counted
 
 _T = TypeVar("_T")
 # Devices that `auto` chose (resolve), and those of them that failed once (then the CPU path
@@ -59,7 +59,7 @@ def resolve(spec: str) -> str | None:
         count = torch.cuda.device_count()
         if spec != "cuda" and not (index.isdigit() and int(index) < count):
             raise UsageError(
-                f"--device {spec}: torch sees {count} CUDA device(s) here, cuda:0 to "
+                f"--device {spec}: torch sees {counted(count, 'CUDA device')} here, cuda:0 to "
                 f"cuda:{count - 1}",
                 option="--device",
             )

@@ -32,6 +32,11 @@ def escape_controls(text: str) -> str:
     return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun for that many, for messages: ``1 patch``, ``3 patches``."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 class PulseError(Exception):
     """Base of every error pulsectl raises on purpose.
 

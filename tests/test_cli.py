@@ -435,6 +435,31 @@ def test_apply_in_place(pair: tuple[Path, Path, Path], capsys: pytest.CaptureFix
     assert a.read_bytes() == b.read_bytes()
 
 
+def test_counts_in_messages_agree_with_their_nouns(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pulsectl.errors import counted
+
+    assert [counted(n, "patch", "patches") for n in (0, 1, 2, 1234)] == [
+        "0 patches",
+        "1 patch",
+        "2 patches",
+        "1,234 patches",
+    ]
+    assert counted(1, "step") == "1 step" and counted(3, "step") == "3 steps"
+    patches = [tmp_path / "p1.pulse", tmp_path / "p2.pulse"]
+    for old, new, p in zip(chain[:2], chain[1:3], patches, strict=True):
+        assert main(["-q", "diff", str(old), str(new), "-o", str(p)]) == 0
+    out = tmp_path / "out.safetensors"
+    assert main(["apply", str(chain[0]), str(patches[0]), "-o", str(out)]) == 0
+    assert "from 1 patch, verified" in capsys.readouterr().err
+    assert main(["apply", str(chain[0]), *map(str, patches), "-o", str(out), "-f"]) == 0
+    assert "from 2 patches, verified" in capsys.readouterr().err
+    assert main(["inspect", str(patches[0])]) == 0
+    layout = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layout"))
+    assert re.fullmatch(r"layout +file, 1 file, [\d,]+ items", layout), layout
+
+
 def test_apply_in_place_folder(sharded_chain: list[Path], tmp_path: Path) -> None:
     import shutil
 

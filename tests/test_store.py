@@ -475,7 +475,7 @@ def test_cli_publish_pull_log_prune(
     assert capsys.readouterr().out.split()[0] == "2"
     assert main(["pull", store, "-o", str(w), "--step", "latest"]) == 0
     captured = capsys.readouterr()
-    assert "from the local copy of step 2 and 3 patch(es)" in captured.err
+    assert "from the local copy of step 2 and 3 patches" in captured.err
     assert main(["log", store, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [s["kind"] for s in doc["steps"]] == [
@@ -491,7 +491,7 @@ def test_cli_publish_pull_log_prune(
     assert text.splitlines()[0].split()[:3] == ["step", "kind", "anchor"] and "72,920" in text
     assert main(["prune", store, "--keep-anchors", "1", "--keep-steps", "1", "--dry-run"]) == 0
     captured = capsys.readouterr()
-    assert manifest_key(0) in captured.out and "would delete 4 step(s)" in captured.err
+    assert manifest_key(0) in captured.out and "would delete 4 steps" in captured.err
     assert (tmp_path / "store" / manifest_key(0)).exists()
     assert main(["pull", store, "-o", str(w), "--step", "9"]) == 1
     assert "step 9 is not published; the latest is 5" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import typer
 
 from pulsectl.cli._options import BaseCheckpoint, Force, Fsync, Workers, device_option
 from pulsectl.cli._output import Output
+from pulsectl.errors import counted
 
 
 def apply(
@@ -51,5 +52,6 @@ def apply(
         )
     out.info(
         f"wrote {summary.output} ({summary.target_bytes:,} bytes, fingerprint "
-        f"{summary.target_fingerprint}) from {summary.patches} patch(es), verified"
+        f"{summary.target_fingerprint}) from {counted(summary.patches, 'patch', 'patches')}, "
+        "verified"
     )

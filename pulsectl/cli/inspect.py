@@ -8,6 +8,7 @@ import typer
 
 from pulsectl.cli._options import JsonFlag
 from pulsectl.cli._output import Output
+from pulsectl.errors import counted
 from pulsectl.errors import escape_controls as shown
 
 
@@ -38,8 +39,8 @@ def inspect(
         f"patch          {shown(doc['patch'])} ({_size(doc['patch_bytes'])}, "
         f".pulse v{doc['format_version']}, "
         f"{shown(doc['writer'])}{', checksums verified' if doc['checked'] else ''})",
-        f"layout         {doc['layout']}, {len(doc['target']['files'])} file(s), "
-        f"{len(doc['tensors'])} item(s)",
+        f"layout         {doc['layout']}, {counted(len(doc['target']['files']), 'file')}, "
+        f"{counted(len(doc['tensors']), 'item')}",
         f"base           {doc['base']['fingerprint']}",
         f"target         {doc['target']['fingerprint']} ({_size(doc['target']['bytes'])})",
         f"changed words  {doc['changed_words']:,} of {doc['total_words']:,} ({doc['density']:.4%})",

@@ -10,6 +10,7 @@ import typer
 from pulsectl.cli._command import Command
 from pulsectl.cli._options import Force, JsonFlag
 from pulsectl.cli._output import Output, smaller_than
+from pulsectl.errors import counted
 
 app = typer.Typer(
     name="loco",
@@ -98,8 +99,8 @@ def reduce(
         out.json(summary.to_json())
         return
     out.info(
-        f"averaged {summary.trainers} pseudo-gradient(s): {summary.sent:,} of {summary.total:,} "
-        f"values nonzero; {output}: {summary.output_bytes:,} bytes"
+        f"averaged {counted(summary.trainers, 'pseudo-gradient')}: {summary.sent:,} of "
+        f"{summary.total:,} values nonzero; {output}: {summary.output_bytes:,} bytes"
     )
 
 

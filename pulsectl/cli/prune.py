@@ -8,6 +8,7 @@ import typer
 
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
+from pulsectl.errors import counted
 
 
 def prune(
@@ -38,7 +39,8 @@ def prune(
         out.data(key)
     verb = "would delete" if dry_run else "deleted"
     out.info(
-        f"{verb} {len(plan.deleted_steps)} step(s), {len(plan.deletions)} object(s), "
-        f"{plan.deleted_bytes:,} bytes; kept {len(plan.kept_steps)} step(s)"
+        f"{verb} {counted(len(plan.deleted_steps), 'step')}, "
+        f"{counted(len(plan.deletions), 'object')}, {plan.deleted_bytes:,} bytes; "
+        f"kept {counted(len(plan.kept_steps), 'step')}"
         + (f" ({plan.kept_steps[0]}..{plan.kept_steps[-1]})" if plan.kept_steps else "")
     )

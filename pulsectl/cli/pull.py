@@ -10,7 +10,7 @@ from pulsectl._names import DEFAULT_PREFETCH
 from pulsectl.cli._options import Force, Workers
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
-from pulsectl.errors import UsageError
+from pulsectl.errors import UsageError, counted
 
 
 def pull(
@@ -49,7 +49,7 @@ def pull(
     if summary.patches or summary.fetched_bytes:
         out.info(
             f"wrote {summary.output} (step {summary.step}, fingerprint {summary.fingerprint}) "
-            f"from the {summary.start} and {summary.patches} patch(es), "
+            f"from the {summary.start} and {counted(summary.patches, 'patch', 'patches')}, "
             f"{summary.fetched_bytes:,} bytes fetched, verified"
         )
     out.data(f"{summary.step} {summary.fingerprint}")

@@ -29,7 +29,7 @@ from pulsectl._atomic import (
 )
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import Checkpoint, folder_files
-from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError
+from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError, counted
 from pulsectl.hashing import checkpoint_fingerprint
 from pulsectl.inventory import fingerprint_of
 from pulsectl.store.base import (
@@ -434,7 +434,8 @@ def _describe(plan: _Plan, out: Path) -> str:
         if plan.local
         else f"the anchor of step {plan.start.step}"
     )
-    return f"step {last}: from {start}, {len(plan.patches)} patch(es), {plan.cost:,} bytes to fetch"
+    patches = counted(len(plan.patches), "patch", "patches")
+    return f"step {last}: from {start}, {patches}, {plan.cost:,} bytes to fetch"
 
 
 def _copy(src: Path, dst: Path) -> None:
