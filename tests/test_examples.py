@@ -103,6 +103,21 @@ def test_api_doc_signatures_match_the_code():
     )
 
 
+def test_the_package_says_it_is_typed():
+    """The PEP 561 marker ships with the package (package-data), so that a user's type checker
+    reads the API's annotations instead of treating pulsectl as untyped (docs/API.md)."""
+    import importlib.resources
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("tomllib is Python 3.11+")
+    assert importlib.resources.files("pulsectl").joinpath("py.typed").is_file()
+    project = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["pulsectl"]
+    assert "typed" in (DOCS / "API.md").read_text().split("\n## ")[0]
+
+
 def _calls(source: str) -> list[ast.Call]:
     return [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
 
