@@ -149,6 +149,14 @@ def test_chain_missing_middle_patch(work: dict[str, Path], capsys: Capsys) -> No
     assert "out of order" in msg and "p3.pulse" in msg and "missing" in msg
 
 
+def test_chain_with_a_patch_given_twice(work: dict[str, Path], capsys: Capsys) -> None:
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1", "p1"), 3, work["out"], [work["s0"]])
+    assert "out of order" in msg and "given twice" in msg
+    # A missing patch is not taken for a repeated one.
+    msg = _fails(capsys, _apply_argv(work, "s0", "p1", "p3"), 3, work["out"], [work["s0"]])
+    assert "given twice" not in msg
+
+
 def test_chain_out_of_order_from_stdin(
     work: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: Capsys
 ) -> None:
