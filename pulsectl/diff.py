@@ -124,6 +124,13 @@ class DiffSummary:
     changed_words: int
     total_words: int
     items: int
+    # Tensors carried whole for want of a base tensor to diff against: NEW's tensors that OLD
+    # has under no name (``new_tensors``) or with another shape or dtype (``recast_tensors``);
+    # and OLD's tensors that NEW does not have (``removed_tensors``). Names in file order.
+    new_tensors: tuple[str, ...] = ()
+    recast_tensors: tuple[str, ...] = ()
+    removed_tensors: tuple[str, ...] = ()
+    diffed_tensors: int = 0  # NEW's tensors diffed against OLD's of the same name
 
 
 def diff_to_path(
@@ -202,6 +209,9 @@ def _diff_sources(
 
     files: list[TargetFile] = []
     items: list[Item] = []  # base fingerprints are filled in once the base is hashed
+    added: list[str] = []  # NEW's tensors that OLD lacks, or has with another shape or dtype
+    recast: list[str] = []
+    diffed = 0
     for fi, entry in enumerate(target.files):
         if entry.header is None:
             files.append(TargetFile(entry.relpath, "blob", entry.size, None))
@@ -219,8 +229,18 @@ def _diff_sources(
             if found is not None and (found[1].dtype, found[1].shape) == (t.dtype, t.shape):
                 bi = base_index[found[0].relpath]
                 items.append(Item(fi, t.name, t.start, t.nbytes, word, bi, t.name, None))
+                diffed += 1
             else:
                 items.append(Item(fi, t.name, t.start, t.nbytes, word, None, None, None))
+                (added if found is None else recast).append(t.name)
+    kept = {t.name for e in target.files if e.header is not None for t in e.header.tensors}
+    removed = tuple(
+        t.name
+        for e in base.files
+        if e.header is not None
+        for t in e.header.tensors
+        if t.name not in kept
+    )
 
     scope: Literal["checkpoint", "tensors"] = "checkpoint"
     if options.selecting:
@@ -259,11 +279,20 @@ def _diff_sources(
         )
 
     try:
-        return _write_patch(
+        summary = _write_patch(
             make_header, scanned.done, items, files, base, target, out, options, progress
         )
     finally:
         scanned.stop()  # failed or interrupted early: stop hashing before the files close
+    if scope == "tensors":
+        return summary  # the base's headers, kept: nothing is added, recast or removed
+    return replace(
+        summary,
+        new_tensors=tuple(added),
+        recast_tensors=tuple(recast),
+        removed_tensors=removed,
+        diffed_tensors=diffed,
+    )
 
 
 class _Scan(threading.Thread):

@@ -460,6 +460,61 @@ def test_counts_in_messages_agree_with_their_nouns(
     assert re.fullmatch(r"layout +file, 1 file, [\d,]+ items", layout), layout
 
 
+def test_diff_names_the_tensors_it_carries_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A vocabulary resize, a new tensor and a dropped one are named after the summary line (a
+    few of each); checkpoints with no tensor in common get a warning; -q silences both."""
+    import numpy as np
+
+    from pulsectl.checkpoint import save_safetensors
+    from pulsectl.diff import diff_checkpoints
+
+    w = np.arange(64, dtype=np.uint16)
+    old = {
+        "embed.weight": ("BF16", (8, 8), w),
+        "lm_head.weight": ("BF16", (8, 8), w),
+        "norm.weight": ("BF16", (64,), w),
+        "old_only.bias": ("BF16", (64,), w),
+    }
+    new = {
+        "embed.weight": ("BF16", (9, 8), np.arange(72, dtype=np.uint16)),  # a row added
+        "lm_head.weight": ("F32", (8, 4), w.view(np.uint8).view(np.uint32)),  # re-typed
+        "norm.weight": ("BF16", (64,), w + 1),
+        "new_only.bias": ("BF16", (64,), w),
+    }
+    a, b, p = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse"
+    save_safetensors(a, old)
+    save_safetensors(b, new)
+    with p.open("wb") as f:
+        summary = diff_checkpoints(a, b, f)
+    assert summary.new_tensors == ("new_only.bias",)
+    assert set(summary.recast_tensors) == {"embed.weight", "lm_head.weight"}
+    assert summary.removed_tensors == ("old_only.bias",)
+    assert summary.diffed_tensors == 1
+    capsys.readouterr()
+    assert main(["diff", str(a), str(b), "-o", str(p), "-f"]) == 0
+    err = capsys.readouterr().err
+    assert "carried whole: 1 tensor that OLD does not have (new_only.bias)" in err
+    recast = next(ln for ln in err.splitlines() if "another shape or dtype" in ln)
+    assert recast.startswith("carried whole: 2 tensors ") and "embed.weight" in recast
+    assert "dropped: 1 tensor of OLD that NEW does not have (old_only.bias)" in err
+    assert "no tensor in common" not in err
+    # Nothing in common: a warning. Many names: three shown, then a count.
+    many = {f"t{i}": ("BF16", (64,), w) for i in range(5)}
+    c = tmp_path / "c.safetensors"
+    save_safetensors(c, many)
+    assert main(["diff", str(a), str(c), "-o", str(p), "-f"]) == 0
+    err = capsys.readouterr().err
+    assert "(t0, t1, t2 and 2 more)" in err
+    assert "pulsectl: warning: OLD and NEW have no tensor in common" in err
+    assert main(["-q", "diff", str(a), str(c), "-o", str(p), "-f"]) == 0
+    assert capsys.readouterr().err == ""
+    # A plain update names nothing.
+    assert main(["diff", str(a), str(a), "-o", str(p), "-f"]) == 0
+    assert "carried whole" not in capsys.readouterr().err
+
+
 def test_apply_in_place_folder(sharded_chain: list[Path], tmp_path: Path) -> None:
     import shutil
 

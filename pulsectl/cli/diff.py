@@ -18,10 +18,10 @@ from pulsectl.cli._options import (
     check_cast_target,
 )
 from pulsectl.cli._output import Output, binary_stdout, smaller_than
-from pulsectl.errors import UsageError
+from pulsectl.errors import UsageError, counted, escape_controls
 
 if TYPE_CHECKING:
-    from pulsectl.diff import DiffOptions
+    from pulsectl.diff import DiffOptions, DiffSummary
 
 
 def diff(
@@ -183,6 +183,40 @@ def _run(
         f"patch {summary.patch_bytes:,} bytes, "
         f"{smaller_than(summary.patch_bytes, summary.target_bytes)}"
     )
+    for line in tensor_changes(summary):
+        out.info(line)
+    if summary.diffed_tensors == 0 and (summary.removed_tensors or summary.recast_tensors):
+        out.info(
+            "pulsectl: warning: OLD and NEW have no tensor in common (name, shape and dtype): "
+            "the patch carries NEW whole; are they checkpoints of the same model?"
+        )
+
+
+def tensor_changes(summary: DiffSummary, shown: int = 3) -> list[str]:
+    """Lines on the tensors a patch carries whole, and those it drops, naming a few of each."""
+
+    def names(found: tuple[str, ...]) -> str:
+        listed = ", ".join(escape_controls(n) for n in found[:shown])
+        more = f" and {len(found) - shown:,} more" if len(found) > shown else ""
+        return f" ({listed}{more})"
+
+    lines = []
+    if summary.new_tensors:
+        lines.append(
+            f"carried whole: {counted(len(summary.new_tensors), 'tensor')} that OLD does not "
+            f"have{names(summary.new_tensors)}"
+        )
+    if summary.recast_tensors:
+        lines.append(
+            f"carried whole: {counted(len(summary.recast_tensors), 'tensor')} with another "
+            f"shape or dtype in OLD{names(summary.recast_tensors)}"
+        )
+    if summary.removed_tensors:
+        lines.append(
+            f"dropped: {counted(len(summary.removed_tensors), 'tensor')} of OLD that NEW does "
+            f"not have{names(summary.removed_tensors)}"
+        )
+    return lines
 
 
 def parse_level(level: str, workers: int) -> DiffOptions:
