@@ -158,6 +158,8 @@ def test_cli_squash(tmp_path: Path, capsys):
     assert main(["squash", *map(str, patches), "-o", str(out)]) == 1  # exists, no -f
     assert main(["apply", str(chain[0]), str(out), "-o", str(tmp_path / "o.safetensors")]) == 0
     assert (tmp_path / "o.safetensors").read_bytes() == chain[-1].read_bytes()
+    assert main(["squash", str(patches[0]), "-o", str(out), "-f"]) == 0
+    assert "squashed 1 patch (" in capsys.readouterr().err
 
 
 def test_a_copy_block_with_a_payload_is_refused_naming_its_patch(tmp_path: Path) -> None:

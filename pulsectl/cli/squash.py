@@ -9,6 +9,7 @@ import typer
 
 from pulsectl.cli._options import Force
 from pulsectl.cli._output import Output
+from pulsectl.errors import counted
 
 
 def squash(
@@ -51,7 +52,8 @@ def squash(
     if stream is not None:
         stream.finish()
     out.info(
-        f"squashed {summary.patches} patches ({summary.input_bytes:,} bytes) into "
+        f"squashed {counted(summary.patches, 'patch', 'patches')} "
+        f"({summary.input_bytes:,} bytes) into "
         f"{'stdout' if stdout else output} "
         f"({summary.patch_bytes:,} bytes); base {summary.base_fingerprint}, target "
         f"{summary.target_fingerprint}"

@@ -10,7 +10,7 @@ import typer
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cli._options import FindDevice, Force, JsonFlag, Workers, check_cast_target
 from pulsectl.cli._output import Output, smaller_than
-from pulsectl.errors import UsageError
+from pulsectl.errors import UsageError, counted
 from pulsectl.errors import escape_controls as shown
 
 _BAR_WIDTH = 24
@@ -133,7 +133,7 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
     lines = [
         f"update         {what}",
         f"changed words  {total['changed_words']:,} of {total['words']:,} "
-        f"({total['density']:.4%}) in {total['tensors']} tensors",
+        f"({total['density']:.4%}) in {counted(total['tensors'], 'tensor')}",
     ]
     if total["patch_bytes"] is not None:
         per = total["bytes_per_change"]
