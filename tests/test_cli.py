@@ -251,6 +251,8 @@ def test_version_names_the_numpy_fallback() -> None:
         (["diff", "a", "b", "--blocks", "abc"], "; try 'pulsectl diff -h' for help"),
         (["diff", "a", "b", "--level"], "option '--level' requires an argument; try 'pulsectl"),
         (["loco", "nonsense"], "no such command 'nonsense'; try 'pulsectl loco -h' for help"),
+        (["difff"], "no such command 'difff' (did you mean 'diff'?); try 'pulsectl -h' for help"),
+        (["diff", "--levl", "3", "a", "b"], "no such option: --levl (possible options: --help, "),
         (["loco", "encode"], "; try 'pulsectl loco encode -h' for help"),
     ],
 )

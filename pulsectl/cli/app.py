@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import traceback
@@ -252,6 +253,9 @@ def _parser_error(exc: typer.TyperException) -> str:
     text = escape_controls(" ".join(text.split())).removesuffix(".")
     if text[1:2].islower():  # "Invalid value ..." reads as the rest of pulsectl's lines
         text = text[:1].lower() + text[1:]
+    # click's suggestion, "No such command 'difff'. Did you mean 'diff'?", as one clause.
+    text = re.sub(r"\. Did you mean (.*)\?$", r" (did you mean \1?)", text)
+    text = text.replace("(Possible options:", "(possible options:")
     ctx = getattr(exc, "ctx", None)
     return _with_hint(text, (help_command(ctx) if ctx is not None else None) or "pulsectl -h")
 
