@@ -512,9 +512,16 @@ def test_diff_names_the_tensors_it_carries_whole(
     assert "pulsectl: warning: OLD and NEW have no tensor in common" in err
     assert main(["-q", "diff", str(a), str(c), "-o", str(p), "-f"]) == 0
     assert capsys.readouterr().err == ""
+    # inspect counts them too.
+    assert main(["-q", "diff", str(a), str(b), "-o", str(p), "-f"]) == 0
+    assert main(["inspect", str(p)]) == 0
+    whole = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("carried whole")]
+    assert len(whole) == 1 and " 3 tensors with no base tensor of that name" in whole[0], whole
     # A plain update names nothing.
     assert main(["diff", str(a), str(a), "-o", str(p), "-f"]) == 0
     assert "carried whole" not in capsys.readouterr().err
+    assert main(["inspect", str(p)]) == 0
+    assert "carried whole" not in capsys.readouterr().out
 
 
 def test_apply_in_place_folder(sharded_chain: list[Path], tmp_path: Path) -> None:

@@ -50,6 +50,12 @@ def inspect(
             f"ratio          {doc['target']['bytes'] / doc['patch_bytes']:.1f}x "
             "(target bytes / patch bytes)"
         )
+    whole = [t for t in doc["tensors"] if t["name"] is not None and not t["from_base"]]
+    if whole:  # new, reshaped or re-typed: nothing in the base to diff them against
+        lines.append(
+            f"carried whole  {counted(len(whole), 'tensor')} with no base tensor of that name, "
+            f"shape and dtype ({sum(t['encoded_bytes'] for t in whole):,} bytes of frames)"
+        )
     out.data("\n".join(lines))
     table = Table(title=f"largest frames (top {top})")
     for col in ("tensor", "dtype", "shape", "changed", "density", "bytes", "B/change"):
