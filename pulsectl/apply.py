@@ -60,6 +60,7 @@ from pulsectl.patch import (
     PatchHeader,
     PatchTrailer,
     TargetFile,
+    chain_out_of_order,
     header_from_json,
     trailer_from_json,
 )
@@ -379,15 +380,8 @@ def _check_chain(
         )
         expected = headers(nxt).base_fingerprint
         if produced != expected:
-            fix = "give the patches in the order they were made, with none missing"
-            if expected == headers(prev).base_fingerprint:
-                fix = f"both patches start from that base (one patch given twice?); {fix}"
-            raise IntegrityError(
-                f"{nxt.name}: patch chain out of order: it expects base {expected}, but "
-                f"{prev.name} produces {produced}; {fix}",
-                path=nxt.name,
-                expected=expected,
-                actual=str(produced),
+            raise chain_out_of_order(
+                nxt.name, expected, prev.name, produced, headers(prev).base_fingerprint
             )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, NoReturn, cast
 from pulsectl._dtypes import DTYPES
 from pulsectl._paths import paths_problem
 from pulsectl.checkpoint import SafetensorsHeader, parse_header
-from pulsectl.errors import CorruptPatchError, FormatError
+from pulsectl.errors import CorruptPatchError, FormatError, IntegrityError
 from pulsectl.format import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES
 
 _HEX128 = re.compile(r"[0-9a-f]{32}\Z")
@@ -365,3 +365,21 @@ class _Validator:
             self.int_in(raw, "size", 0, 2**63),
             self.fingerprint(raw, "fingerprint"),
         )
+
+
+def chain_out_of_order(
+    name: str, expects: str, before: str, produces: str | None, before_expects: str | None
+) -> IntegrityError:
+    """The error for patch ``name``, which starts from ``expects``, given after ``before``,
+    which makes ``produces`` from ``before_expects``: the patches out of order, one missing,
+    or (when both start from the same base) one given twice."""
+    fix = "give the patches in the order they were made, with none missing"
+    if expects == before_expects:
+        fix = f"both patches start from that base (one patch given twice?); {fix}"
+    return IntegrityError(
+        f"{name}: patch chain out of order: it expects base {expects}, but {before} produces "
+        f"{produces}; {fix}",
+        path=name,
+        expected=expects,
+        actual=str(produces),
+    )

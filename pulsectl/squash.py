@@ -50,7 +50,7 @@ from pulsectl.format import (
     blocks_in,
 )
 from pulsectl.info import PatchInfo, read_patch_info
-from pulsectl.patch import Item, ItemResult, PatchHeader, PatchTrailer
+from pulsectl.patch import Item, ItemResult, PatchHeader, PatchTrailer, chain_out_of_order
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -95,13 +95,12 @@ def squash_patches(
             )
     for prev, nxt in zip(infos, infos[1:], strict=False):
         if nxt.header.base_fingerprint != prev.trailer.target_fingerprint:
-            raise IntegrityError(
-                f"{nxt.name}: patch chain out of order: it expects base "
-                f"{nxt.header.base_fingerprint}, but {prev.name} produces "
-                f"{prev.trailer.target_fingerprint}; give the patches in the order they were made",
-                path=nxt.name,
-                expected=nxt.header.base_fingerprint,
-                actual=prev.trailer.target_fingerprint,
+            raise chain_out_of_order(
+                nxt.name,
+                nxt.header.base_fingerprint,
+                prev.name,
+                prev.trailer.target_fingerprint,
+                prev.header.base_fingerprint,
             )
     input_bytes = sum(i.size or 0 for i in infos)
     if base is not None:

@@ -145,8 +145,11 @@ def test_block_patches_are_refused_in_one_line(tmp_path: Path, capsys):
 def test_out_of_order_chain_is_refused(tmp_path: Path):
     chain = _chain(tmp_path, steps=2)
     p0, p1 = _patches(tmp_path, chain, FAST)
-    with pytest.raises(IntegrityError, match="out of order"):
+    with pytest.raises(IntegrityError, match="out of order") as exc:
         squash_patches([p1, p0], tmp_path / "x.pulse")
+    assert "given twice" not in str(exc.value)
+    with pytest.raises(IntegrityError, match=r"out of order.*\(one patch given twice\?\)"):
+        squash_patches([p0, p0], tmp_path / "x.pulse")
 
 
 def test_cli_squash(tmp_path: Path, capsys):
