@@ -131,6 +131,7 @@ def verify_checkpoint(
             return _verify_block(checkpoint, info)
         expected = info.trailer.target_fingerprint
         what = f"the target of {patch}"
+        base = info.header.base_fingerprint
     else:
         assert fingerprint is not None
         expected = fingerprint.strip().lower()
@@ -139,10 +140,13 @@ def verify_checkpoint(
                 f"--hash {fingerprint!r} is not a 32-digit hex fingerprint", option="--hash"
             )
         what = "the expected fingerprint"
+        base = None
     actual = fingerprint_of(Checkpoint.open(checkpoint))
     if actual != expected:
+        # The commonest miss in a pipeline: checking the checkpoint before the patch is applied.
+        hint = "; it is the patch's base: apply the patch to it first" if actual == base else ""
         raise IntegrityError(
-            f"{checkpoint}: fingerprint {actual} is not {what} ({expected})",
+            f"{checkpoint}: fingerprint {actual} is not {what} ({expected}){hint}",
             path=str(checkpoint),
             expected=expected,
             actual=actual,

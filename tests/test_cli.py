@@ -698,13 +698,15 @@ def test_verify(pair: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str
     assert main(["verify", str(b), "--patch", str(p)]) == 0
     assert capsys.readouterr().out == ""
     assert main(["verify", str(a), "--patch", str(p)]) == 3
-    assert str(a) in _error_line(capsys.readouterr().err)
+    line = _error_line(capsys.readouterr().err)
+    assert str(a) in line and "it is the patch's base: apply the patch to it first" in line
     digest = xxhash.xxh3_128_hexdigest(b.read_bytes())
     assert main(["verify", str(b), "--hash", digest]) == 0
     assert main(["verify", str(b), "--hash", digest.upper()]) == 0
     capsys.readouterr()
     assert main(["verify", str(a), "--hash", digest]) == 3
-    assert digest in _error_line(capsys.readouterr().err)
+    line = _error_line(capsys.readouterr().err)
+    assert digest in line and "patch's base" not in line
 
 
 def _words_changed(a: Path, b: Path) -> int:
