@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 BLOCK = 8 * 1024 * 1024
 WORKERS = 2
+WINDOW = 2 * WORKERS + 4  # steps in flight, each with a buffer of its own
 STARTUP = "import pulsectl.cli.app, pulsectl.apply"
 
 
@@ -60,7 +61,8 @@ def steps(path: Path) -> list[tuple[int, int]]:
 
 
 def copy(src: Path, dst: Path, times: Path) -> None:
-    """The copy measured as a child: appends the loop's own wall time to ``times``."""
+    """The copy measured as a child: appends the loop's own wall time and the fingerprint of
+    what it wrote (hashed in order, as apply does) to ``times``."""
     import numpy as np
     import xxhash
 
@@ -69,13 +71,13 @@ def copy(src: Path, dst: Path, times: Path) -> None:
     fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     lock = threading.Lock()
     out_h = xxhash.xxh3_128()
-    free: queue.Queue[np.ndarray] = queue.Queue()
-    for _ in range(2 * WORKERS + 4):
-        free.put(np.empty(BLOCK, np.uint8))
+    # Each step gets its buffer when it is submitted, at most WINDOW at once: a worker waiting
+    # for a buffer while the ones ahead of it hold them all, waiting to be taken in order,
+    # would never get one.
+    free = [np.empty(BLOCK, np.uint8) for _ in range(WINDOW)]
 
-    def step(index: int) -> tuple[np.ndarray, np.ndarray]:
+    def step(index: int, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         at, n = plan[index]
-        buf = free.get()
         view = buf[:n]
         got = 0
         while got < n:
@@ -87,14 +89,21 @@ def copy(src: Path, dst: Path, times: Path) -> None:
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(WORKERS) as pool:
-        for buf, view in pool.map(step, range(len(plan))):
+        pending: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
+        for index in range(len(plan)):
+            if not free:
+                buf, view = pending.popleft().result()
+                out_h.update(view)
+                free.append(buf)
+            pending.append(pool.submit(step, index, free.pop()))
+        while pending:
+            buf, view = pending.popleft().result()
             out_h.update(view)
-            free.put(buf)
     loop = time.perf_counter() - t0
     os.close(fi)
     os.close(fo)
     with times.open("a") as f:
-        f.write(f"{loop!r}\n")
+        f.write(f"{loop!r} {out_h.hexdigest()}\n")
 
 
 def main() -> int:
@@ -111,6 +120,8 @@ def main() -> int:
 
     from benchmarks import measure
     from benchmarks.chains import RUN_KS, ensure_chain, step_path
+    from pulsectl.checkpoint import Checkpoint
+    from pulsectl.inventory import fingerprint_of
 
     measure.byte_compile_pulsectl()
     chain = ensure_chain(
@@ -151,7 +162,11 @@ def main() -> int:
             ),
         }
         timed = measure.in_turn(args.rounds, commands)
-        loops = [float(x) for x in times.read_text().split()]
+        runs = [line.split() for line in times.read_text().splitlines()]
+        loops = [float(loop) for loop, _ in runs]
+        want = fingerprint_of(Checkpoint.open(new))
+        if timed["apply"]["returncode"] != 0 or any(fp != want for _, fp in runs):
+            sys.exit("apply failed, or the copy did not write the target's bytes in order")
 
     cp_best = timed["cp"]["wall_s"]
     cp_median = statistics.median(timed["cp"]["walls_s"])

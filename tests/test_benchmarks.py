@@ -123,3 +123,23 @@ def test_gpu_benchmark_harness_runs_and_checks_on_the_host(tmp_path: Path) -> No
     assert result["ok"] and result["patch_bytes"] > 0
     assert [r["what"] for r in result["rows"]] == ["host: state -> patch", "host: patch -> tensors"]
     assert result["rows"][1]["exact"] and result["rows"][1]["fingerprint"]
+
+
+def test_io_floor_times_cp_apply_and_a_copy_of_the_target(tmp_path: Path):
+    """benchmarks/io_floor.py on the small preset: a row for each command, and the copy wrote
+    the target's bytes in order (the script checks its fingerprint, and apply's exit status,
+    and exits non-zero otherwise)."""
+    args = ["--out", str(tmp_path), "--preset", "small", "--lr", "1e-5", "--rounds", "2"]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "io_floor.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
+    assert set(rows) == {"cp", "apply", "start-up", "copy", "copy,"}, done.stdout
+    for name in ("cp", "apply", "start-up", "copy"):
+        best, ratio = float(rows[name][1]), rows[name][2]
+        assert best > 0 and ratio.startswith("(") and ratio.endswith("x)"), rows[name]
+    assert rows["cp"][2] == "(1.00x)"
