@@ -40,7 +40,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BLOCK = 8 * 1024 * 1024
+from pulsectl.format import DEFAULT_BLOCK_BYTES  # noqa: E402 - after the path is set
+
+BLOCK = DEFAULT_BLOCK_BYTES  # diff's, so apply's steps
 WORKERS = 2
 WINDOW = 2 * WORKERS + 4  # steps in flight, each with a buffer of its own
 STARTUP = "import pulsectl.cli.app, pulsectl.apply"

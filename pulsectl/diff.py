@@ -233,14 +233,6 @@ def _diff_sources(
             else:
                 items.append(Item(fi, t.name, t.start, t.nbytes, word, None, None, None))
                 (added if found is None else recast).append(t.name)
-    kept = {t.name for e in target.files if e.header is not None for t in e.header.tensors}
-    removed = tuple(
-        t.name
-        for e in base.files
-        if e.header is not None
-        for t in e.header.tensors
-        if t.name not in kept
-    )
 
     scope: Literal["checkpoint", "tensors"] = "checkpoint"
     if options.selecting:
@@ -286,11 +278,18 @@ def _diff_sources(
         scanned.stop()  # failed or interrupted early: stop hashing before the files close
     if scope == "tensors":
         return summary  # the base's headers, kept: nothing is added, recast or removed
+    kept = {t.name for e in target.files if e.header is not None for t in e.header.tensors}
     return replace(
         summary,
         new_tensors=tuple(added),
         recast_tensors=tuple(recast),
-        removed_tensors=removed,
+        removed_tensors=tuple(
+            t.name
+            for e in base.files
+            if e.header is not None
+            for t in e.header.tensors
+            if t.name not in kept
+        ),
         diffed_tensors=diffed,
     )
 

@@ -59,11 +59,14 @@ class Output:
         """``warnings.showwarning`` while a command runs: one line on stderr, silenced by -q;
         where it was raised, under -v. The filters (``PYTHONWARNINGS``) still decide
         which warnings come here."""
-        if self.quiet:
-            return
-        text = escape_controls(" ".join(str(message).split()))
         where = f" ({category.__name__} at {filename}:{lineno})" if self.verbose else ""
-        sys.stderr.write(f"pulsectl: warning: {text}{where}\n")
+        self.warn(" ".join(str(message).split()) + where)
+
+    def warn(self, text: str) -> None:
+        """One ``pulsectl: warning: ...`` line on stderr (control characters escaped); silenced
+        by -q."""
+        if not self.quiet:
+            sys.stderr.write(f"pulsectl: warning: {escape_controls(text)}\n")
 
     def rich(self, renderable: Any) -> None:
         """A rich table or text for a person, on stdout (it is the command's result)."""

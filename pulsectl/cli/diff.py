@@ -186,9 +186,9 @@ def _run(
     for line in tensor_changes(summary):
         out.info(line)
     if summary.diffed_tensors == 0 and (summary.removed_tensors or summary.recast_tensors):
-        out.info(
-            "pulsectl: warning: OLD and NEW have no tensor in common (name, shape and dtype): "
-            "the patch carries NEW whole; are they checkpoints of the same model?"
+        out.warn(
+            "OLD and NEW have no tensor in common (name, shape and dtype): the patch carries "
+            "NEW whole; are they checkpoints of the same model?"
         )
 
 
