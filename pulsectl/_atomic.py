@@ -60,7 +60,7 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
             "renames it into place, which would replace it: give a file path",
             path=path,
         )
-    empty_folder = mode is not None and stat.S_ISDIR(mode) and _empty(path)
+    empty_folder = mode is not None and stat.S_ISDIR(mode) and is_empty_folder(path)
     if mode is not None and not force and not empty_folder:
         raise OutputError(f"{path}: {what} exists; pass -f to overwrite", path=path)
     parent = path.parent
@@ -122,6 +122,29 @@ def file_path(path: str | os.PathLike[str], what: str = "output") -> Path:
     return Path(text)
 
 
+def refuse_inside_folder_input(
+    out: str | os.PathLike[str], inputs: Sequence[object], what: str
+) -> None:
+    """UsageError when ``out`` lies inside one of ``inputs`` that is a folder checkpoint:
+    every file in such a folder is part of the checkpoint, which would then no longer be the
+    one this command read (a later apply or verify of it would refuse it)."""
+    if os.fspath(out) == "-":
+        return
+    target = Path(out).resolve()
+    for item in inputs:
+        if not isinstance(item, (str, os.PathLike)) or os.fspath(item) == "-":
+            continue
+        folder = Path(item)
+        if not folder.is_dir():
+            continue
+        root = folder.resolve()
+        if target != root and target.is_relative_to(root):
+            raise UsageError(
+                f"{out}: is inside {item}, a folder checkpoint this command reads, which would "
+                f"then hold it; write the {what} outside it"
+            )
+
+
 def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
     """Before a folder output replaces the folder at ``path`` (with -f): refuse one that holds
     an input of the command or the current folder, or that holds files but no checkpoint.
@@ -165,7 +188,7 @@ def check_folder_target(path: Path, inputs: Sequence[Path] = ()) -> None:
         )
 
 
-def _empty(folder: Path) -> bool:
+def is_empty_folder(folder: Path) -> bool:
     try:
         with os.scandir(folder) as entries:
             return next(entries, None) is None

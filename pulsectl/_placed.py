@@ -11,17 +11,33 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _paths: list[Path] | None = None  # None: not recording (a library caller)
+_done: list[str] | None = None  # what else has happened that an interrupt cannot undo
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Path]]:
-    """While inside, record each output put in place in the list yielded, in order."""
-    global _paths
+    """While inside, record each output put in place in the list yielded, in order, and each
+    ``done`` event."""
+    global _paths, _done
     saved, _paths = _paths, []
+    saved_done, _done = _done, []
     try:
         yield _paths
     finally:
-        _paths = saved
+        _paths, _done = saved, saved_done
+
+
+def done(event: str) -> None:
+    """Something that stays done whatever happens next: an interrupt after it is reported as
+    ``interrupted <event>`` (``after step 3 was published to STORE``), the latest event
+    first, instead of saying that nothing was written."""
+    if _done is not None:
+        _done.append(event)
+
+
+def events() -> list[str]:
+    """The ``done`` events recorded so far, in order."""
+    return list(_done or ())
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -280,3 +281,26 @@ def apply_outcome(
     if expected is not None:
         assert got == expected, "apply succeeded with a wrong result"
     return "ok"
+
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A small file system mounted at ``path`` (made here), for a disk that fills up; the test
+    is skipped where mounting needs a root this process does not have."""
+    import pytest
+
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def read_only(path: Path) -> None:
+    """Remount the tmpfs at ``path`` read-only (as root, chmod does not stop writes)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)

@@ -28,7 +28,9 @@ from _faultkit import (
     build_patch,
     make_patch,
     parse_patch,
+    read_only,
     temps_in,
+    tmpfs,
     write_small_folders,
     write_small_pair,
 )
@@ -527,24 +529,6 @@ def test_folder_install_fallback_puts_the_old_folder_back(
 
 
 # --- the disk: full, read-only ------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {r.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def read_only(path: Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
 
 
 @pytest.fixture

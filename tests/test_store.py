@@ -494,7 +494,10 @@ def test_cli_publish_pull_log_prune(
     assert manifest_key(0) in captured.out and "would delete 4 steps" in captured.err
     assert (tmp_path / "store" / manifest_key(0)).exists()
     assert main(["pull", store, "-o", str(w), "--step", "9"]) == 1
-    assert "step 9 is not published; the latest is 5" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"pulsectl: error: {store}: step 9 is not in the store (not published yet, or pruned); "
+        "it holds steps 0, 1, 2, 3, 4, 5\n"
+    )
     assert main(["pull", store, "-o", str(w), "--step", "x"]) == 2
     assert main(["publish", "ftp://x/y", str(trainer_chain[0])]) == 2
 

@@ -272,3 +272,99 @@ def test_prune_reports_keys_s3_refused_to_delete(
     with pytest.raises(OutputError, match=r"S3 refused to delete it: AccessDenied: no \(and"):
         prune(store, keep_anchors=1, keep_steps=1)
     assert store.exists(manifest_key(0))
+
+
+def test_s3_client_setup_errors_are_one_line(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped AWS_PROFILE or AWS_ENDPOINT_URL is a usage error naming the setting, not a
+    traceback."""
+    from pulsectl.cli.app import main
+
+    url = f"s3://{BUCKET}/setup"
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    assert main(["log", url]) == 2
+    assert capsys.readouterr().err == (
+        f"pulsectl: error: {url}: cannot set up the S3 client: The config profile "
+        "(no-such-profile) could not be found\n"
+    )
+    monkeypatch.delenv("AWS_PROFILE")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "minio:9000")
+    assert main(["log", url]) == 2
+    assert capsys.readouterr().err == (
+        f"pulsectl: error: {url}: cannot set up the S3 client: Invalid endpoint: minio:9000\n"
+    )
+
+
+def test_a_refused_upload_is_one_line(s3: dict[str, str], tmp_path: Path) -> None:
+    """upload_file wraps the server's refusal in its own exception: it is still named."""
+    from pulsectl.errors import InputError
+
+    source = tmp_path / "x.pulse"
+    source.write_bytes(b"x" * 100)
+    store = open_store("s3://no-such-bucket-here/p")
+    with pytest.raises(InputError, match="bucket 'no-such-bucket-here' does not exist"):
+        store.upload(source, "patches/x.pulse")
+
+
+def test_a_lost_reply_to_the_conditional_put_is_not_a_lost_race(
+    s3: dict[str, str], chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore retries a PUT whose reply was lost; the retry meets the object the first
+    attempt made and S3 answers 412. The manifest is this run's: the step is published."""
+    from botocore.exceptions import ClientError
+
+    url = f"s3://{BUCKET}/lost-reply"
+    store = open_store(url)
+    real = store.client.put_object
+
+    def reply_lost(**kw: object) -> object:
+        real(**kw)
+        if "IfNoneMatch" in kw:  # as the retry would end
+            error = {"Error": {"Code": "PreconditionFailed", "Message": "At least one"}}
+            raise ClientError(error, "PutObject")  # type: ignore[arg-type]
+        return None
+
+    monkeypatch.setattr(store.client, "put_object", reply_lost)
+    opts = PublishOptions(cache_dir=tmp_path / "cache")
+    assert publish(store, chain[0], options=opts).manifest.step == 0
+    monkeypatch.setattr(store.client, "put_object", real)
+    assert publish(url, chain[1], options=opts).manifest.kind == "patch"
+
+
+def test_s3_pull_into_a_full_disk_names_the_output(
+    s3: dict[str, str],
+    chain: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from _faultkit import tmpfs
+
+    from pulsectl.cli.app import main
+
+    url = f"s3://{BUCKET}/fulldisk"
+    publish(url, chain[0], options=PublishOptions(cache_dir=tmp_path / "cache"))
+    with tmpfs(tmp_path / "small", "40k") as small:
+        out = small / "m.safetensors"
+        assert main(["pull", url, "-o", str(out), "-q"]) == 1
+        assert capsys.readouterr().err == (
+            f"pulsectl: error: {out}: no space left on device; free some space or write the "
+            "output elsewhere\n"
+        )
+        assert list(small.iterdir()) == []
+
+
+def test_log_and_prune_of_a_mistyped_prefix_are_errors(
+    s3: dict[str, str], chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pulsectl.cli.app import main
+
+    publish(f"s3://{BUCKET}/real", chain[0], options=PublishOptions(cache_dir=tmp_path / "c"))
+    url = f"s3://{BUCKET}/reall"
+    assert main(["log", url]) == 1
+    assert capsys.readouterr().err == (
+        f"pulsectl: error: {url}: not a pulsectl store (no pulse-store.json and no published "
+        "step); check the path\n"
+    )
+    assert main(["prune", url, "--keep-anchors", "1", "--keep-steps", "1"]) == 1
+    assert "not a pulsectl store" in capsys.readouterr().err

@@ -218,6 +218,9 @@ def _interrupted_line(written: list[Path]) -> str:
     (a signal can come right after the last rename; demo's are in a temp folder, removed by
     then), else nothing, or a patch on stdout, whole or in part, or text on stdout (lines a
     command printed before the interrupt, the rest missing)."""
+    events = _placed.events()
+    if events:
+        return escape_controls(f"interrupted {events[-1]}")
     there = list(dict.fromkeys(str(p) for p in written if os.path.lexists(p)))
     if there:
         shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")

@@ -95,3 +95,5 @@ def publish(
     summary = publish_step(store, checkpoint, step=step, options=options, log=out.info)
     m = summary.manifest
     out.data(f"{m.step} {m.kind} {m.target_fingerprint}")
+    if summary.cache_problem:
+        out.warn(summary.cache_problem)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from pulsectl.errors import FormatError
+from pulsectl.errors import FormatError, InputError
 from pulsectl.store.base import MissingObjectError, Store
 from pulsectl.store.layout import (
+    MARKER_KEY,
     STEPS_PREFIX,
     StepManifest,
     manifest_from_bytes,
@@ -28,6 +29,16 @@ class Catalog:
         self._listed = set(self.steps)
         self._manifests: dict[int, StepManifest] = {}
         self.damaged: dict[int, str] = {}  # step -> why its manifest cannot be used
+
+    def require_store(self) -> None:
+        """InputError unless the store is one: it has steps, or the marker the first publish
+        writes. A mistyped path or prefix is an error here, not an empty store."""
+        if not self.steps and not self.store.exists(MARKER_KEY):
+            raise InputError(
+                f"{self.store.url}: not a pulsectl store (no {MARKER_KEY} and no published "
+                "step); check the path",
+                path=self.store.url,
+            )
 
     @property
     def latest_step(self) -> int | None:

@@ -213,7 +213,7 @@ def manifest_from_bytes(data: bytes, key: str, shown: str | None = None) -> Step
             patch=patch,
             anchor_step=_int(doc["chain"]["anchor_step"], "chain.anchor_step", fail),
             chain_length=_int(doc["chain"]["length"], "chain.length", fail),
-            cast=doc["cast"],
+            cast=_cast(doc["cast"], fail),
             writer=str(doc["writer"]),
             published=str(doc["published"]),
         )
@@ -227,6 +227,12 @@ def manifest_from_bytes(data: bytes, key: str, shown: str | None = None) -> Step
 def _int(value: Any, name: str, fail: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise fail(f"{name} is {value!r}, not a non-negative integer")
+    return value
+
+
+def _cast(value: Any, fail: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise fail(f"cast is {value!r}, not a dtype name or null")
     return value
 
 

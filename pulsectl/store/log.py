@@ -16,6 +16,7 @@ def read_log(store: Store | str | Path) -> dict[str, Any]:
     """The documented `log --json` object: one entry per step, oldest first."""
     store = store if isinstance(store, Store) else open_store(store)
     catalog = Catalog(store)
+    catalog.require_store()
     manifests = {m.step: m for m in catalog.load_all()}
     present = store.list(ANCHORS_PREFIX) | store.list(PATCHES_PREFIX)
     steps: list[dict[str, Any]] = []

@@ -45,6 +45,7 @@ def plan_prune(store: Store, keep_anchors: int, keep_steps: int) -> PrunePlan:
             option="--keep-steps",
         )
     catalog = Catalog(store)
+    catalog.require_store()
     manifests = {m.step: m for m in catalog.load_all()}
     if not manifests:
         return PrunePlan((), (), ())

@@ -9,6 +9,7 @@ lists manifests never sees a half-published step. Nothing is ever rewritten.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -20,16 +21,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pulsectl import __version__, _placed
-from pulsectl._atomic import atomic_file, install, os_error, remove
+from pulsectl._atomic import (
+    atomic_file,
+    install,
+    interrupts_deferred,
+    missing_folder,
+    os_error,
+    remove,
+)
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, diff_to_path
-from pulsectl.errors import InputError, UsageError
+from pulsectl.errors import InputError, OutputError, PulseError, UsageError
 from pulsectl.hashing import fingerprint_file
 from pulsectl.inventory import file_refs, fingerprint_of
 from pulsectl.store.base import ObjectExistsError, Store, open_store
 from pulsectl.store.catalog import Catalog
 from pulsectl.store.layout import (
     MARKER_KEY,
+    STEPS_PREFIX,
     STORE_SCHEMA,
     PatchRef,
     StepManifest,
@@ -67,6 +76,9 @@ class PublishSummary:
     reason: str  # why this step is an anchor, or "patch"
     uploaded_bytes: int
     cache_dir: Path
+    # Set when the step was published but the cache's copy of it could not be kept (a full
+    # disk): the next publish then uploads a full anchor.
+    cache_problem: str | None = None
 
 
 def default_cache_dir(store: Store) -> Path:
@@ -161,19 +173,84 @@ def publish(
     except OSError as exc:
         raise os_error(exc, cache) from exc
     try:
-        target = Path(checkpoint)
-        if options.cast is not None:
-            from pulsectl.cast import cast_checkpoint
-
-            target = work / ("cast.safetensors" if source.layout == "file" else "cast")
-            cast_checkpoint(checkpoint, target, to=options.cast)
+        target = _snapshot(Path(checkpoint), source, work, options.cast)
         manifest, reason, uploaded = _publish_step(
             store, catalog, last, step, target, work, cache, options, say
         )
-        _update_head(cache, store, manifest, target, work)
+        cache_problem = None
+        try:
+            with interrupts_deferred():  # a few renames: the cache names the step just made
+                _update_head(cache, store, manifest, target, work)
+        except PulseError as exc:  # the step is published all the same
+            cache_problem = (
+                f"the publish cache was not updated ({exc.message}); the next publish to "
+                f"{store.url} will upload a full anchor"
+            )
     finally:
         remove(work)
-    return PublishSummary(manifest, reason, uploaded, cache)
+    return PublishSummary(manifest, reason, uploaded, cache, cache_problem)
+
+
+def _snapshot(checkpoint: Path, source: Checkpoint, work: Path, cast: str | None) -> Path:
+    """A private copy of CKPT (or of its cast) in the work folder. The diff, the
+    fingerprints, the upload and the cache's copy of the step all read it, so they agree even
+    when a trainer rewrites CKPT meanwhile; and a cache without room for it fails the publish
+    before anything is uploaded. The cache keeps this copy as the next patch's base (a rename
+    at the end), so it costs no more than copying the step into the cache would."""
+    before = _identity(source)
+    target = work / (
+        ("cast" if cast else "step") + (".safetensors" if source.layout == "file" else "")
+    )
+    if cast is not None:
+        from pulsectl.cast import cast_checkpoint
+
+        cast_checkpoint(checkpoint, target, to=cast)
+    else:
+        for entry in source.files:
+            dest = target / entry.relpath if entry.relpath else target
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(entry.path, dest)
+            except OSError as exc:
+                cache = work.parent
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise OutputError(
+                        f"{cache}: no space left for a copy of {checkpoint} (the publish cache "
+                        "keeps one, the base of the next patch); nothing was published: free "
+                        "some space, or give --cache a folder on another disk",
+                        path=cache,
+                    ) from exc
+                if exc.errno != errno.EROFS and exc.filename == str(entry.path):
+                    raise InputError(
+                        f"{entry.path}: cannot read: {exc.strerror}", path=entry.path
+                    ) from exc
+                raise os_error(exc, cache) from exc
+    try:
+        after = _identity(Checkpoint.open(checkpoint))
+    except InputError:
+        after = None
+    if after != before:
+        raise InputError(
+            f"{checkpoint}: changed while publish was reading it (is a trainer still writing "
+            "it?); nothing was published: publish it again once it is written",
+            path=checkpoint,
+        )
+    return target
+
+
+def _identity(source: Checkpoint) -> list[tuple[str, int, int, int, int, int]]:
+    """Each file's name, device, inode, size and modification and change times: a rewrite in
+    place or a file renamed over it changes one of them."""
+    found = []
+    for entry in source.files:
+        try:
+            st = os.stat(entry.path)
+        except OSError:
+            return []
+        found.append(
+            (entry.relpath, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        )
+    return found
 
 
 def _publish_step(
@@ -281,15 +358,30 @@ def _publish_step(
         store.upload(patch_file, patch.key)
         uploaded += patch.size
     data = manifest.to_bytes()
+    # An interrupt can come while the manifest is on its way: whether it landed, only the
+    # store knows.
+    _placed.done(
+        f"while step {step} was being published to {store.url}; `pulsectl log {store.url}` "
+        "shows whether it was"
+    )
     try:
         store.create(manifest_key(step), data)  # last: the step exists from here on
     except ObjectExistsError:
-        raise ObjectExistsError(
-            f"{store.where(manifest_key(step))}: step {step} was published by another "
-            "publisher meanwhile (one publisher per store); this step is not published: its "
-            "objects are left for prune",
-            path=store.where(manifest_key(step)),
-        ) from None
+        # The manifest there may be this run's own: an S3 client retries a PUT whose reply
+        # was lost, and the retry finds the object the first attempt made. The manifest names
+        # the time and the writer, so another publisher's manifest is not these bytes.
+        try:
+            ours = store.read(manifest_key(step)) == data
+        except PulseError:
+            ours = False
+        if not ours:
+            raise ObjectExistsError(
+                f"{store.where(manifest_key(step))}: step {step} was published by another "
+                "publisher meanwhile (one publisher per store); this step is not published: its "
+                "objects are left for prune",
+                path=store.where(manifest_key(step)),
+            ) from None
+    _placed.done(f"after step {step} was published to {store.url}")
     say(
         f"published step {step} to {store.url}: "
         + (
@@ -309,10 +401,31 @@ def _publish_step(
 
 
 def _make_store_folder(root: Path) -> None:
-    if root.exists() and not root.is_dir():
-        raise InputError(f"{root}: is a file, not a store folder; give a folder path", path=root)
+    """The store folder, made by the first publish as ``mkdir`` would (its parent must exist:
+    a mistyped path is not made). An existing folder must be a store already, or empty: a
+    folder of other files (the checkpoints' own folder, say) is most likely a mistyped STORE."""
+    if root.exists():
+        if not root.is_dir():
+            raise InputError(
+                f"{root}: is a file, not a store folder; give a folder path", path=root
+            )
+        if (root / MARKER_KEY).exists() or (root / STEPS_PREFIX).is_dir():
+            return
+        try:
+            names = sorted(n for n in os.listdir(root) if not n.startswith("."))
+        except OSError as exc:
+            raise InputError(f"{root}: cannot list: {exc.strerror}", path=root) from None
+        if names:
+            raise InputError(
+                f"{root}: is not a pulsectl store (no {MARKER_KEY}) and holds other files "
+                f"({names[0]!r}...); publish to a new or empty folder",
+                path=root,
+            )
+        return
+    if not root.parent.is_dir():
+        raise missing_folder(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir()
     except OSError as exc:
         raise os_error(exc, root) from exc
 
@@ -336,12 +449,7 @@ def _update_head(
     name = "head.safetensors" if manifest.layout == "file" else "head"
     fresh = work / ("head-new" + (".safetensors" if manifest.layout == "file" else ""))
     try:
-        if target.is_relative_to(work):
-            os.replace(target, fresh)
-        elif target.is_dir():
-            shutil.copytree(target, fresh, symlinks=False)
-        else:
-            shutil.copyfile(target, fresh)
+        os.replace(target, fresh)  # the snapshot (see _snapshot), in the same folder
         (cache / HEAD_STATE).unlink(missing_ok=True)  # no state names a half-replaced copy
         for stale in ("head.safetensors", "head"):
             if stale != name:

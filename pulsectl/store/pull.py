@@ -19,10 +19,12 @@ from pathlib import Path, PurePosixPath
 
 from pulsectl import _placed
 from pulsectl._atomic import (
+    TEMP_MARK,
     check_folder_target,
     check_target,
     file_path,
     install,
+    is_empty_folder,
     missing_folder,
     os_error,
     remove,
@@ -107,6 +109,7 @@ def pull(
     if prefetch < 1:
         raise InputError(f"prefetch {prefetch}: give 1 or more")
     catalog = Catalog(store)
+    catalog.require_store()
     target = _target(catalog, store, step)
     if target.layout == "file":
         file_path(given, "pulled checkpoint")
@@ -127,7 +130,9 @@ def pull(
 
     locals_: dict[str, Path] = {}
     local_fp: str | None = None
-    if out.exists():
+    # An empty folder is taken as OUT as if absent (as apply does).
+    present = out.exists() and not (out.is_dir() and is_empty_folder(out))
+    if present:
         try:
             local_fp = fingerprint_of(Checkpoint.open(out))
             locals_[local_fp] = out
@@ -144,7 +149,7 @@ def pull(
 
     broken: dict[str, str] = {}
     plan, why = _plan(catalog, target, locals_, broken)
-    if out.exists() and not force and (plan is None or plan.local != out):
+    if present and not force and (plan is None or plan.local != out):
         known = catalog.find_fingerprint(local_fp) if local_fp else None
         if known is None:
             damaged = sorted(catalog.damaged)
@@ -160,7 +165,7 @@ def pull(
             )
 
     try:
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.pulsectl-pull-", dir=out.parent))
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}{TEMP_MARK}pull-", dir=out.parent))
     except OSError as exc:
         raise os_error(exc, out) from exc
     fetched = [0]
@@ -198,6 +203,14 @@ def pull(
             install(result, out)
         except OSError as exc:
             raise os_error(exc, out) from exc
+    except OutputError as exc:
+        # A full disk while fetching or rebuilding: the file named is a temp of the work
+        # folder, which is removed below; OUT is what the user knows.
+        where = exc.path
+        if where is None or not Path(where).is_relative_to(work):
+            raise
+        reason = exc.message.removeprefix(f"{where}: ")
+        raise OutputError(f"{out}: {reason}", path=out) from None
     finally:
         remove(work)
     start = (
@@ -228,9 +241,16 @@ def _target(catalog: Catalog, store: Store, step: int | None) -> StepManifest:
             raise IntegrityError(
                 f"step {step}: {catalog.damaged[step]}", path=store.where(manifest_key(step))
             )
-        last = f"; the latest is {catalog.latest_step}" if catalog.steps else ""
+        held = ""
+        if catalog.steps:
+            steps = catalog.steps
+            shown = ", ".join(map(str, steps))
+            if len(steps) > 6:
+                shown = f"{steps[0]}, {steps[1]} ... {steps[-2]}, {steps[-1]} ({len(steps)} steps)"
+            held = f"; it holds steps {shown}"
         raise MissingObjectError(
-            f"{store.url}: step {step} is not published{last}", path=store.where(manifest_key(step))
+            f"{store.url}: step {step} is not in the store (not published yet, or pruned){held}",
+            path=store.where(manifest_key(step)),
         )
     return manifest
 

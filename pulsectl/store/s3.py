@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pulsectl._atomic import remove
+from pulsectl._atomic import os_error, remove
 from pulsectl.errors import InputError, OutputError, UsageError
 from pulsectl.store.base import MissingObjectError, ObjectExistsError, Store
 
@@ -44,8 +44,13 @@ class S3Store(Store):
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         boto3 = _boto3()
         from boto3.s3.transfer import TransferConfig
+        from botocore import exceptions as bx
 
-        self.client = boto3.client("s3")
+        try:
+            self.client = boto3.client("s3")
+        except (bx.BotoCoreError, ValueError) as exc:
+            # A mistyped AWS_PROFILE, region or AWS_ENDPOINT_URL: botocore says which.
+            raise UsageError(f"{self.url}: cannot set up the S3 client: {exc}") from None
         self.transfer = transfer_config or TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD,
             multipart_chunksize=MULTIPART_CHUNK,
@@ -58,24 +63,24 @@ class S3Store(Store):
     @contextlib.contextmanager
     def _errors(self, key: str) -> Iterator[None]:
         """Turn botocore's exceptions into one pulsectl line naming the object."""
+        from boto3 import exceptions as b3x
         from botocore import exceptions as bx
 
         where = self.where(key)
         try:
             yield
         except bx.ClientError as exc:
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise MissingObjectError(f"{where}: not in the store", path=where) from None
-            if code == "NoSuchBucket":
-                raise InputError(
-                    f"{where}: bucket {self.bucket!r} does not exist (create it, or check "
-                    "AWS_ENDPOINT_URL)",
-                    path=where,
-                ) from None
+            raise self._client_error(exc, where) from None
+        except b3x.S3UploadFailedError as exc:
+            # upload_file wraps the ClientError of the part that failed (AccessDenied, a quota).
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, bx.ClientError):
+                raise self._client_error(cause, where) from None
+            raise InputError(f"{where}: upload failed: {exc}", path=where) from None
+        except b3x.RetriesExceededError as exc:
+            # download_file gave up: the body broke off on every attempt.
             raise InputError(
-                f"{where}: S3 error {code}: {err.get('Message', exc)}", path=where
+                f"{where}: download failed after retries: {exc.last_exception}", path=where
             ) from None
         except bx.NoCredentialsError:
             raise InputError(
@@ -87,6 +92,19 @@ class S3Store(Store):
             raise InputError(f"{where}: cannot reach S3 ({exc})", path=where) from None
         except bx.BotoCoreError as exc:
             raise InputError(f"{where}: {exc}", path=where) from None
+
+    def _client_error(self, exc: Any, where: str) -> InputError:
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return MissingObjectError(f"{where}: not in the store", path=where)
+        if code == "NoSuchBucket":
+            return InputError(
+                f"{where}: bucket {self.bucket!r} does not exist (create it, or check "
+                "AWS_ENDPOINT_URL)",
+                path=where,
+            )
+        return InputError(f"{where}: S3 error {code}: {err.get('Message', exc)}", path=where)
 
     def list(self, prefix: str) -> dict[str, int]:
         found: dict[str, int] = {}
@@ -110,9 +128,15 @@ class S3Store(Store):
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
             with self._errors(key):
-                self.client.download_file(
-                    self.bucket, self._key(key), str(dest), Config=self.transfer
-                )
+                try:
+                    self.client.download_file(
+                        self.bucket, self._key(key), str(dest), Config=self.transfer
+                    )
+                except ConnectionError as exc:
+                    where = self.where(key)
+                    raise InputError(f"{where}: download broke off: {exc}", path=where) from None
+                except OSError as exc:  # the local side: a full disk, a read-only folder
+                    raise os_error(exc, dest) from None
         except BaseException:
             remove(dest)
             raise
