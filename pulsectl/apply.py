@@ -29,6 +29,7 @@ from pulsectl._atomic import (
     file_path,
     install,
     os_error,
+    refuse_inside_folder_input,
     remove,
     same_file,
     temp_path,
@@ -139,6 +140,7 @@ def apply_patches(
         out_path = Path(out)  # drops a trailing '/': see file_path below
         if out_path.exists() and out_path.resolve() == base_path.resolve():
             raise UsageError(f"{out_path} is BASE; use --in-place to update it")
+        refuse_inside_folder_input(out_path, [base_path], "output")
         for n, source in enumerate(patches, 1):
             if isinstance(source, (str, Path)) and same_file(out_path, source):
                 raise UsageError(
@@ -776,7 +778,7 @@ def _wrong_base_tensor(
             f"{stale}; apply the patch to the checkpoint it was made from"
         )
     return IntegrityError(
-        f"{entry.path}: wrong base for {patch}: {why} (the partial output was removed)",
+        f"{entry.path}: wrong base for {patch}: {why} (nothing was written)",
         path=str(entry.path),
         tensor=item.base_name,
         expected=item.base_fingerprint,

@@ -42,12 +42,14 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pulsectl._atomic import (
+    TEMP_MARK,
     atomic_file,
     check_folder_target,
     check_target,
     file_path,
     install,
     os_error,
+    refuse_inside_folder_input,
     remove,
     temp_path,
 )
@@ -264,6 +266,7 @@ def cast_checkpoint(
     """Write the cast of checkpoint ``source`` (file or folder) to ``out``, atomically."""
     dst = target_dtype(to)
     given, out = out, Path(out)  # 'runs/' with a trailing '/': a folder checkpoint only
+    refuse_inside_folder_input(out, [source], "cast")
     ckpt = Checkpoint.open(source)
     total = sum(e.size for e in ckpt.files)
     done = [0]
@@ -444,8 +447,11 @@ def cast_temporaries(
     """
     target_dtype(to)
     parent = Path(near).parent if near is not None else None
+    # Beside the output it is named as its temps are (docs/GUARANTEES.md: what a kill -9
+    # leaves, and how to remove it).
+    prefix = f".{Path(near).name}{TEMP_MARK}cast-" if near is not None else "pulsectl-cast-"
     try:
-        folder = Path(tempfile.mkdtemp(prefix=".pulsectl-cast-", dir=parent))
+        folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     except OSError as exc:
         raise os_error(exc, Path(parent or tempfile.gettempdir())) from exc
     try:

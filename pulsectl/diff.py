@@ -20,7 +20,7 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from pulsectl import __version__, _prehash
-from pulsectl._atomic import atomic_file, file_path, same_file
+from pulsectl._atomic import atomic_file, file_path, refuse_inside_folder_input, same_file
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import BufferPool, default_workers, ordered_map, window_for
 
@@ -158,6 +158,7 @@ def refuse_input_as_output(out: Path, inputs: tuple[str | Path | Source, ...]) -
             continue  # a state dict or other source has no path
         if same_file(out, where):
             raise UsageError(f"{out} is an input of the diff; write the patch elsewhere")
+        refuse_inside_folder_input(out, [where], "patch")
 
 
 def diff_checkpoints(
@@ -237,10 +238,13 @@ def _diff_sources(
     scope: Literal["checkpoint", "tensors"] = "checkpoint"
     if options.selecting:
         _require_same_layout(base, target, old, new)
+        names = [i.name for i in items if i.name is not None]
         items = [i for i in items if i.name is not None and options.selects(i.name)]
         if not items:
+            some = ", ".join(names[:3]) + (f" ... ({len(names)} tensors)" if len(names) > 3 else "")
             raise UsageError(
-                "no tensor matches --tensors/--exclude; nothing to patch", option="--tensors"
+                f"no tensor matches --tensors/--exclude; nothing to patch (NEW has {some})",
+                option="--tensors",
             )
         scope = "tensors"
 

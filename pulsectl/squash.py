@@ -23,7 +23,14 @@ from typing import BinaryIO
 import numpy as np
 
 from pulsectl import __version__
-from pulsectl._atomic import atomic_file, check_file_target, file_path, same_file
+from pulsectl._atomic import (
+    TEMP_MARK,
+    atomic_file,
+    check_file_target,
+    file_path,
+    refuse_inside_folder_input,
+    same_file,
+)
 from pulsectl.codecs import (
     CODEC_CONTEXT,
     CODEC_COPY,
@@ -339,6 +346,7 @@ def _refuse_an_input_as_output(
                 f"{out} is {what} of this squash; the squashed patch would replace it, even "
                 "with -f: write the output elsewhere"
             )
+    refuse_inside_folder_input(out, [base], "patch")
 
 
 def _squash_with_base(
@@ -355,8 +363,11 @@ def _squash_with_base(
 
     # The chain's target is rebuilt beside the output (or in $TMPDIR for a stream); the
     # output's folder exists: squash_patches checked it first.
+    # Beside the output it is named as its temps are (docs/GUARANTEES.md: what a kill -9
+    # leaves, and how to remove it).
     near = out.parent if isinstance(out, Path) else None
-    with tempfile.TemporaryDirectory(prefix=".pulsectl-squash-", dir=near) as tmp:
+    prefix = f".{out.name}{TEMP_MARK}squash-" if isinstance(out, Path) else "pulsectl-squash-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=near) as tmp:
         target = Path(tmp) / "target"
         apply_patches(base, list(patches), target)
         if isinstance(out, Path):

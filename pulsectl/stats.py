@@ -27,7 +27,13 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from pulsectl._atomic import atomic_file, check_file_target, file_path, same_file
+from pulsectl._atomic import (
+    atomic_file,
+    check_file_target,
+    file_path,
+    refuse_inside_folder_input,
+    same_file,
+)
 from pulsectl._io import default_workers, ordered_map
 from pulsectl._names import DEFAULT_KS
 from pulsectl.cast import cast_temporaries, target_dtype
@@ -321,9 +327,11 @@ def pair_stats(
     ``measure_patch`` writes the patch ``pulsectl diff`` would write (default options) to a
     temporary file to give its exact size and each frame's size.
     """
-    inputs = {"old": str(old), "new": str(new), "as": as_dtype}
     if as_dtype is not None:
         target_dtype(as_dtype)
+        as_dtype = as_dtype.lower()  # one spelling in the JSON, as in store manifests
+    inputs = {"old": str(old), "new": str(new), "as": as_dtype}
+    if as_dtype is not None:
         with cast_temporaries([old, new], to=as_dtype) as (old_cast, new_cast):
             stats = pair_stats(
                 old_cast, new_cast, measure_patch=measure_patch, workers=workers, device=device
@@ -572,6 +580,7 @@ def chain_stats(
     names = [str(c) for c in checkpoints]
     if as_dtype is not None:
         target_dtype(as_dtype)
+        as_dtype = as_dtype.lower()  # one spelling in the JSON, as in store manifests
         with cast_temporaries(checkpoints, to=as_dtype) as casts:
             result = chain_stats(casts, ks, workers=workers, device=device)
         result.checkpoints, result.as_dtype = names, as_dtype
@@ -665,6 +674,7 @@ def check_plot_target(path: str | Path, inputs: Sequence[str | Path], force: boo
     for item in inputs:
         if same_file(path, item):
             raise UsageError(f"{path}: is an input of this command; write the plot elsewhere")
+    refuse_inside_folder_input(path, inputs, "plot")
     check_file_target(path, force, "plot")
     _pyplot()
 

@@ -73,11 +73,13 @@ def test_no_tensor_selected_ends_with_the_help_hint(tmp_path: Path, chain, capsy
     """Option values only the command can judge end with the parser's -h hint (GUARANTEES.md);
     this one lacked it."""
     out = tmp_path / "none.pulse"
+    names = [t.name for _, t in Checkpoint.open(chain[1]).tensors()]
+    some = f"{', '.join(names[:3])} ... ({len(names)} tensors)"
     for select in (["--tensors", "nope*"], ["--exclude", "*"]):
         assert main(["diff", str(chain[0]), str(chain[1]), *select, "-o", str(out)]) == 2
         assert capsys.readouterr().err == (
-            "pulsectl: error: no tensor matches --tensors/--exclude; nothing to patch; try "
-            "'pulsectl diff -h' for help\n"
+            "pulsectl: error: no tensor matches --tensors/--exclude; nothing to patch (NEW has "
+            f"{some}); try 'pulsectl diff -h' for help\n"
         )
     assert not out.exists()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -941,3 +942,35 @@ def test_an_interrupt_turned_into_another_error_is_still_an_interrupt(
     monkeypatch.setattr(app_module, "app", interrupted_import)
     assert main(["hash", "x"]) == 130
     assert capsys.readouterr().err == "pulsectl: error: interrupted; no output was written\n"
+
+
+def test_an_output_inside_a_folder_checkpoint_it_reads_is_refused(
+    sharded_chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every file in a folder checkpoint is part of it: a patch, cast, plot or checkpoint
+    written inside one would change it, and a later apply to it would fail as a wrong base."""
+    base = tmp_path / "base"
+    shutil.copytree(sharded_chain[0], base)
+    new = sharded_chain[1]
+    before = tree_bytes(base)
+    patch = tmp_path / "p.pulse"
+    assert main(["diff", str(base), str(new), "-o", str(patch), "-q"]) == 0
+    runs = {
+        "patch": [
+            ["diff", str(base), str(new), "-o", str(base / "p.pulse")],
+            ["diff", str(base), str(new), "--blocks", "2", "-o", str(base / "b.pulse")],
+            ["squash", str(patch), "--base", str(base), "-o", str(base / "s.pulse")],
+        ],
+        "output": [["apply", str(base), str(patch), "-o", str(base / "new")]],
+        "cast": [["cast", str(base), "--to", "f16", "-o", str(base / "f16")]],
+        "plot": [["stats", str(base), str(new), "--plot", str(base / "a.png")]],
+    }
+    for what, commands in runs.items():
+        for args in commands:
+            out = args[-1].replace("b.pulse", "b.block0.pulse")
+            assert main(args) == 2, args
+            assert capsys.readouterr().err == (
+                f"pulsectl: error: {out}: is inside {base}, a folder checkpoint this command "
+                f"reads, which would then hold it; write the {what} outside it\n"
+            )
+    assert tree_bytes(base) == before

@@ -155,6 +155,9 @@ def test_as_bf16_on_fp32_masters(chain: list[Path]) -> None:
     assert chain_stats(f32[:3], (1, 2), as_dtype="bf16").changed == (
         chain_stats(chain[:3], (1, 2)).changed
     )
+    # One spelling in the JSON, whatever the user typed (as store manifests have it).
+    assert pair_stats(f32[0], f32[1], as_dtype="BF16").to_json()["inputs"]["as"] == "bf16"
+    assert chain_stats(f32[:2], (1,), as_dtype="Bf16").to_json()["inputs"]["as"] == "bf16"
 
 
 @pytest.mark.parametrize(
