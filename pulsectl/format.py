@@ -11,6 +11,7 @@ docs/FORMAT.md is the normative description; the constants below mirror it.
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import sys
@@ -127,12 +128,37 @@ class Block:
 
 PatchSource = str | Path | BinaryIO
 
+_stdin: tuple[object, BinaryIO] | None = None  # (the sys.stdin it reads, the reader)
+
+
+def standard_input() -> BinaryIO:
+    """Standard input, through a buffered reader of pulsectl's own rather than
+    ``sys.stdin.buffer``.
+
+    A patch arriving over a pipe is read on a thread of its own (``_io.overlapped_map``). An
+    interrupt while that thread waits inside a read leaves it there, holding its reader's lock;
+    if that reader were ``sys.stdin.buffer``, the interpreter would close it on the way out,
+    fail to take the lock and abort ("Fatal Python error", exit 134 instead of 130). Nothing
+    closes this one at exit, and it leaves descriptor 0 open. A ``sys.stdin`` without a
+    descriptor (a caller's in-memory stream) is read as it is.
+    """
+    global _stdin
+    if _stdin is not None and _stdin[0] is sys.stdin:
+        return _stdin[1]
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return sys.stdin.buffer
+    reader = io.BufferedReader(io.FileIO(fd, "rb", closefd=False), buffer_size=1 << 20)
+    _stdin = (sys.stdin, reader)
+    return reader
+
 
 def open_patch(source: PatchSource, stdin: BinaryIO | None = None) -> tuple[PatchReader, BinaryIO]:
     """Open a patch file, ``-`` (standard input) or a binary stream and read its header."""
     if isinstance(source, (str, Path)):
         if str(source) == "-":
-            stream = stdin or sys.stdin.buffer
+            stream = stdin or standard_input()
             name = STDIN_NAME
         else:
             try:
