@@ -51,6 +51,7 @@ from pulsectl._atomic import (
     os_error,
     refuse_inside_folder_input,
     remove,
+    same_file,
     temp_path,
 )
 from pulsectl._dtypes import DTYPES
@@ -63,7 +64,7 @@ from pulsectl.checkpoint import (
     FileEntry,
     SafetensorsHeader,
 )
-from pulsectl.errors import InputError, UsageError
+from pulsectl.errors import InputError, OutputError, UsageError
 from pulsectl.floats import f32_to_bf16
 
 TARGETS: dict[str, str] = {
@@ -266,6 +267,8 @@ def cast_checkpoint(
     """Write the cast of checkpoint ``source`` (file or folder) to ``out``, atomically."""
     dst = target_dtype(to)
     given, out = out, Path(out)  # 'runs/' with a trailing '/': a folder checkpoint only
+    if same_file(out, source):  # even with -f: an FP32 master cannot be had back from its cast
+        raise UsageError(f"{out} is CKPT; write the cast elsewhere, even with -f")
     refuse_inside_folder_input(out, [source], "cast")
     ckpt = Checkpoint.open(source)
     total = sum(e.size for e in ckpt.files)
@@ -283,6 +286,12 @@ def cast_checkpoint(
         with atomic_file(file_path(given, "cast checkpoint"), force) as f:
             _cast_file(entry, dst, f, counts, advance)
     else:
+        if out.is_file():  # -f replaces a checkpoint with a checkpoint, not a file by a folder
+            raise OutputError(
+                f"{out}: is a file, and the cast of a folder checkpoint is a folder; give "
+                "another path",
+                path=out,
+            )
         check_target(out, force)
         check_folder_target(out, [Path(source)])
         tmp = temp_path(out)

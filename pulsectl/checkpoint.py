@@ -25,9 +25,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from pulsectl._atomic import discard, file_path, interrupts_deferred
+from pulsectl._atomic import TEMP_MARK, discard, file_path, interrupts_deferred, os_error
 from pulsectl._dtypes import DTYPES
-from pulsectl.errors import FormatError, InputError, OutputError
+from pulsectl.errors import FormatError, InputError
 from pulsectl.format import MAGIC as PATCH_MAGIC
 
 if TYPE_CHECKING:  # numpy is imported only to write files: reading headers stays light
@@ -548,7 +548,8 @@ def save_safetensors(
     # Not tempfile.mkstemp: its 0600 mode would stick to the result; os.open honours the umask.
     # os.urandom, which secrets.token_hex reads too: importing secrets (and with it hmac and
     # OpenSSL's hashlib) would load them into every command for this one name.
-    tmp_name = str(path.parent / f".{path.name}.{os.urandom(8).hex()}.tmp")
+    # Named as every temp of pulsectl (what a kill -9 leaves: docs/GUARANTEES.md).
+    tmp_name = str(path.parent / f".{path.name}{TEMP_MARK}{os.urandom(8).hex()}")
     created = False
     out: BinaryIO | None = None
     try:
@@ -557,7 +558,7 @@ def save_safetensors(
             try:
                 fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
             except OSError as e:
-                raise OutputError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
+                raise os_error(e, path) from None
             created = True
             out = os.fdopen(fd, "wb")
         with out as f:
@@ -569,5 +570,5 @@ def save_safetensors(
     except BaseException as e:
         discard(out, Path(tmp_name) if created else None)
         if isinstance(e, OSError):
-            raise OutputError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
+            raise os_error(e, path) from None
         raise

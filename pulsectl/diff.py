@@ -131,6 +131,9 @@ class DiffSummary:
     recast_tensors: tuple[str, ...] = ()
     removed_tensors: tuple[str, ...] = ()
     diffed_tensors: int = 0  # NEW's tensors diffed against OLD's of the same name
+    # A block patch (--tensors, --blocks): the bytes of the tensors it carries, the size to
+    # compare it with (``target_bytes`` is the whole target's); None for a full patch.
+    selected_bytes: int | None = None
 
 
 def diff_to_path(
@@ -521,6 +524,7 @@ def _write_frames(
         changed_words=sum(r.changed for r in item_results),
         total_words=sum(i.nbytes // i.word for i in header.items),
         items=len(header.items),
+        selected_bytes=(sum(i.nbytes for i in header.items) if header.scope == "tensors" else None),
     )
 
 

@@ -56,7 +56,14 @@ from pulsectl.checkpoint import (
     save_safetensors,
 )
 from pulsectl.codecs import decode_block, encode_block
-from pulsectl.errors import CorruptPatchError, InputError, IntegrityError, UsageError
+from pulsectl.errors import (
+    CorruptPatchError,
+    InputError,
+    IntegrityError,
+    OutputError,
+    PulseError,
+    UsageError,
+)
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     DEFAULT_BLOCK_BYTES,
@@ -856,7 +863,14 @@ def _commit(writes: Sequence[tuple[Path, Any]]) -> None:
         for target, write in writes:
             tmp = temp_path(target)
             temps.append((tmp, target))
-            write(tmp)
+            try:
+                write(tmp)
+            except PulseError as exc:  # names the temp, removed below: name the output
+                if exc.path is None or Path(exc.path).parent != target.parent:
+                    raise
+                raise OutputError(
+                    f"{target}: {exc.message.removeprefix(f'{exc.path}: ')}", path=target
+                ) from None
         # All of them or, on an error, the first ones: never the patch without the residual
         # because an interrupt came between them.
         with interrupts_deferred():

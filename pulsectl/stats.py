@@ -198,6 +198,9 @@ class UpdateStats:
     blobs: list[BlobStats]
     patch_bytes: int | None
     target_bytes: int
+    # What the update covers: the target's bytes, but for a block patch (diff --tensors,
+    # --blocks) the bytes of the tensors it carries, the size to compare it with.
+    covered_bytes: int | None = None
 
     @property
     def words(self) -> int:
@@ -226,6 +229,9 @@ class UpdateStats:
                 "changed_words": changed,
                 "density": _ratio(changed, self.words),
                 "target_bytes": self.target_bytes,
+                "covered_bytes": (
+                    self.covered_bytes if self.covered_bytes is not None else self.target_bytes
+                ),
                 "patch_bytes": self.patch_bytes,
                 "bytes_per_change": (
                     self.patch_bytes / changed if self.patch_bytes is not None and changed else None
@@ -522,7 +528,8 @@ def patch_stats(source: str | Path | BinaryIO) -> UpdateStats:
             )
         )
     inputs = {"patch": reader.name}
-    return UpdateStats("patch", inputs, tensors, blobs, size, header.target_bytes)
+    covered = sum(i.nbytes for i in header.items) if header.scope == "tensors" else None
+    return UpdateStats("patch", inputs, tensors, blobs, size, header.target_bytes, covered)
 
 
 def delta_payload_histogram(payload: bytes, word: int, codec: int, nwords: int) -> Histogram:
@@ -587,6 +594,11 @@ def chain_stats(
         return result
     workers = workers or default_workers()
     ckpts = [Checkpoint.open(c) for c in checkpoints]
+    for a, b in zip(ckpts, ckpts[1:], strict=False):
+        if a.layout != b.layout:  # as pair_stats and diff: like with like
+            raise UsageError(
+                f"{a.root} and {b.root} are not both files or both folders; compare like with like"
+            )
     n = len(ckpts)
     pairs = [(k, i) for k in ks for i in range(n - k)]
     words = [sum(info.nbytes // info.word for _, info in c.tensors()) for c in ckpts]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -301,3 +302,39 @@ def test_an_error_in_a_chain_names_base_as_the_patches_before_left_it(tmp_path: 
     assert ".pulsectl-tmp-" not in message
     assert caught.value.path == f"{s0} (as {block0} left it)"
     assert not list(tmp_path.glob(".*pulsectl-tmp*"))
+
+
+def test_a_failure_partway_leaves_the_earlier_run_whole(tmp_path: Path, chain, capsys):
+    """The block patches of one -o are one output: when one of them cannot be written, none
+    of this run's is put in place, so an earlier run's set is never mixed with a new one
+    (each block binds only its own tensors: apply would take the mix)."""
+    out = tmp_path / "v.pulse"
+    assert main(["diff", str(chain[0]), str(chain[1]), "--blocks", "2", "-o", str(out), "-q"]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("v.*.pulse")}
+    assert sorted(before) == ["v.block0.pulse", "v.block1.pulse", "v.rest.pulse"]
+    (tmp_path / "v.rest.pulse").unlink()
+    (tmp_path / "v.rest.pulse").mkdir()  # the last one cannot be written
+    args = ["diff", str(chain[0]), str(chain[2]), "--blocks", "2", "-o", str(out), "-f"]
+    assert main(args) == 1
+    assert "v.rest.pulse" in capsys.readouterr().err
+    after = {p.name: p.read_bytes() for p in tmp_path.glob("v.block*.pulse")}
+    assert after == {k: v for k, v in before.items() if "block" in k}
+    assert not list(tmp_path.glob(".*pulsectl-tmp*"))
+
+
+def test_a_block_patch_is_compared_with_its_own_tensors(tmp_path: Path, chain, capsys):
+    """ "Nx smaller" of a block patch: against the bytes of the tensors it carries, not the
+    whole checkpoint (which made it look 4x better than it is)."""
+    out = tmp_path / "b.pulse"
+    ckpt = Checkpoint.open(chain[1])
+    picked = [t for _, t in ckpt.tensors() if t.name.startswith("model.layers.0.")]
+    covered = sum(t.nbytes for t in picked)
+    args = ["diff", str(chain[0]), str(chain[1]), "--tensors", "model.layers.0.*", "-o", str(out)]
+    assert main(args) == 0
+    size = out.stat().st_size
+    assert f"{covered / size:.1f}x smaller than its tensors" in capsys.readouterr().err
+    assert main(["stats", str(out), "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["total"]
+    assert total["covered_bytes"] == covered < total["target_bytes"]
+    assert main(["stats", str(out)]) == 0
+    assert f"{covered / size:.1f}x smaller than its tensors" in capsys.readouterr().out

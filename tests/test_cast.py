@@ -206,6 +206,18 @@ def test_cast_refuses_to_overwrite(tmp_path: Path) -> None:
     cast_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", force=True)
     with pytest.raises(UsageError, match="unknown cast target 'fp4'"):
         cast_checkpoint(tmp_path / "in.safetensors", tmp_path / "x", to="fp4")
+    # Not even -f replaces the input (an FP32 master is not to be had back from its cast),
+    # nor a file by a folder checkpoint's cast.
+    before = (tmp_path / "in.safetensors").read_bytes()
+    with pytest.raises(UsageError, match="is CKPT; write the cast elsewhere"):
+        cast_checkpoint(tmp_path / "in.safetensors", tmp_path / "in.safetensors", force=True)
+    assert (tmp_path / "in.safetensors").read_bytes() == before
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    save_safetensors(folder / "model.safetensors", _mixed_tensors())
+    with pytest.raises(OutputError, match="is a file, and the cast of a folder checkpoint"):
+        cast_checkpoint(folder, tmp_path / "out.safetensors", force=True)
+    assert (tmp_path / "out.safetensors").is_file()
 
 
 @pytest.mark.parametrize("to", ["bf16", "f8_e4m3"])

@@ -417,7 +417,7 @@ def test_save_overwrites_atomically_and_cleans_up(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint_mod.os, "replace", fail)
-    with pytest.raises(OutputError, match="No space left on device") as info:
+    with pytest.raises(OutputError, match="no space left on device; free some space") as info:
         save_safetensors(path, {"x": ("U8", [1], b"\x01")})
     assert info.value.path == str(path)
     assert path.read_bytes() == b"old"

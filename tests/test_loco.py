@@ -686,3 +686,23 @@ def test_a_replaced_residual_keeps_its_mode(trainer: tuple[Path, Path, Path]) ->
     r.chmod(0o600)
     loco.encode_files(g, lo, r, g.parent / "pg2.pulse")
     assert stat.S_IMODE(r.stat().st_mode) == 0o600
+
+
+def test_a_full_disk_names_the_output_not_its_temp(
+    trainer: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The residual is written to a temp beside it, removed on failure: the error names R."""
+    from _faultkit import tmpfs
+
+    from pulsectl.cli.app import main
+
+    g, lo, _ = trainer
+    with tmpfs(tmp_path / "small", "8k") as small:
+        r = small / "R.safetensors"
+        args = ["loco", "encode", "-g", str(g), "-l", str(lo), "-r", str(r)]
+        assert main([*args, "-o", str(tmp_path / "pg.pulse")]) == 1
+        assert capsys.readouterr().err == (
+            f"pulsectl: error: {r}: no space left on device; free some space or write the "
+            "output elsewhere\n"
+        )
+        assert list(small.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from pulsectl.checkpoint import save_safetensors
 from pulsectl.cli.app import main
 from pulsectl.diff import diff_to_path
+from pulsectl.errors import UsageError
 from pulsectl.stats import (
     BUCKETS,
     NO_DELTA,
@@ -198,9 +200,10 @@ def test_cli_json_schema(
     assert set(pair) == SCHEMA_KEYS and pair["schema"] == 1
     assert set(pair["tensors"][0]) == TENSOR_KEYS
     assert set(pair["total"]) == {
-        "tensors", "words", "changed_words", "density", "target_bytes", "patch_bytes",
-        "bytes_per_change", "histogram",
+        "tensors", "words", "changed_words", "density", "target_bytes", "covered_bytes",
+        "patch_bytes", "bytes_per_change", "histogram",
     }  # fmt: skip
+    assert pair["total"]["covered_bytes"] == pair["total"]["target_bytes"]
     assert set(pair["total"]["histogram"]) == {*BUCKETS, NO_DELTA}
     assert set(pair["by_layer"][0]) == {
         "layer", "tensors", "words", "changed_words", "density", "encoded_bytes",
@@ -353,3 +356,12 @@ def test_plot_never_replaces_an_input_and_needs_f_for_a_file(
         assert want in capsys.readouterr().err
     assert victim.read_bytes() == chain[2].read_bytes()
     assert new.read_bytes() == chain[1].read_bytes()
+
+
+def test_a_chain_mixing_files_and_folders_is_refused(chain: list[Path], tmp_path: Path) -> None:
+    """As for a pair and for diff: like with like (a file and a folder are never compared)."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    shutil.copy(chain[1], folder / "model.safetensors")
+    with pytest.raises(UsageError, match="not both files or both folders"):
+        chain_stats([chain[0], folder, chain[2]], (1,))

@@ -181,7 +181,11 @@ def _run(
     out.info(
         f"{summary.changed_words:,} of {summary.total_words:,} words changed ({density:.3%}); "
         f"patch {summary.patch_bytes:,} bytes, "
-        f"{smaller_than(summary.patch_bytes, summary.target_bytes)}"
+        + (
+            smaller_than(summary.patch_bytes, summary.target_bytes)
+            if summary.selected_bytes is None
+            else smaller_than(summary.patch_bytes, summary.selected_bytes, "its tensors")
+        )
     )
     for line in tensor_changes(summary):
         out.info(line)

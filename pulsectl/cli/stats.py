@@ -140,7 +140,7 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
         lines.append(
             f"patch          {total['patch_bytes']:,} bytes"
             + (f", {per:.2f} B per changed word" if per is not None else "")
-            + f", {smaller_than(total['patch_bytes'], total['target_bytes'])}"
+            + f", {_smaller(total)}"
         )
     out.data("\n".join(lines))
 
@@ -207,3 +207,11 @@ def _show_chain(out: Output, doc: dict[str, Any]) -> None:
             _bar(s["mean_density"], largest),
         )
     out.rich(table)
+
+
+def _smaller(total: dict[str, Any]) -> str:
+    """The patch against what it covers: the target, or a block patch's own tensors."""
+    covered = total["covered_bytes"]
+    if covered == total["target_bytes"]:
+        return smaller_than(total["patch_bytes"], covered)
+    return smaller_than(total["patch_bytes"], covered, "its tensors")
