@@ -101,7 +101,12 @@ def _on_device(device: str, what: str, run: Callable[[], _T]) -> _T | None:
     if device in _FAILED:
         return None
     try:
-        return run()
+        try:
+            return run()
+        except AssertionError as exc:  # a torch built without CUDA says so by an assert
+            if "not compiled with CUDA" not in str(exc):
+                raise
+            raise RuntimeError(str(exc)) from exc
     except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if device not in _CHOSEN:

@@ -37,7 +37,7 @@ from pulsectl.codecs import decode_block, decode_moves
 from pulsectl.codecs._bits import add_moves
 from pulsectl.codecs.delta import find_changes
 from pulsectl.diff import DiffOptions, DiffSummary, diff_checkpoints
-from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, PatchReader, blocks_in, read_trailer_at_end
 from pulsectl.hashing import new_hasher
 from pulsectl.patch import Item, header_from_json, trailer_from_json
@@ -66,7 +66,12 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+for _name, _st in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+):
     if hasattr(torch, _name):
         TORCH_TO_SAFETENSORS[getattr(torch, _name)] = _st
 SAFETENSORS_TO_TORCH = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
@@ -108,10 +113,14 @@ class StateDictSource:
     ) -> None:
         meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name, t in tensors.items():
+            _require_data(name, t)
             if t.dtype not in TORCH_TO_SAFETENSORS:
                 raise UsageError(f"tensor {name!r}: dtype {t.dtype} has no safetensors dtype")
-            _require_data(name, t)
             meta[name] = (TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape))
+        if metadata is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise UsageError("metadata must map strings to strings (as safetensors stores it)")
         raw, _ = build_header(meta, metadata)
         data = sum(_tensor_bytes_len(t) for t in tensors.values())
         _wait_for_queued_work(tensors.values())
@@ -174,11 +183,34 @@ def _tensor_bytes_len(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _require_data(name: str, t: torch.Tensor, patch_name: str | None = None) -> None:
-    """Refuse a tensor on the ``meta`` device (a model built without its weights, or one whose
-    weights are offloaded): it has a dtype and a shape but no bytes to read or write."""
+def _require_data(name: object, t: object, patch_name: str | None = None) -> None:
+    """Refuse what a safetensors file cannot hold as it is: an entry that is not a dense
+    tensor under a string name (``_extra_state`` objects, sparse tensors), a conjugate or
+    negative view (its bytes are not its values), and a tensor on the ``meta`` device (a model
+    built without its weights, or one whose weights are offloaded): it has a dtype and a shape
+    but no bytes to read or write."""
+    where, end = (f"{patch_name}: ", "; nothing was changed") if patch_name else ("", "")
+    if not isinstance(name, str):
+        raise UsageError(f"{where}state dict key {name!r} is not a string{end}")
+    if not isinstance(t, torch.Tensor):
+        raise UsageError(
+            f"{where}entry {name!r} is a {type(t).__name__}, not a tensor (a module's extra "
+            f"state?); leave it out of the state dict{end}",
+            tensor=name,
+        )
+    if t.layout != torch.strided:
+        raise UsageError(
+            f"{where}tensor {name!r} is {t.layout}, not dense; make it dense (to_dense()) or "
+            f"leave it out{end}",
+            tensor=name,
+        )
+    if t.is_conj() or t.is_neg():
+        raise UsageError(
+            f"{where}tensor {name!r} is a conjugate or negative view; resolve it "
+            f"(resolve_conj(), resolve_neg()) first{end}",
+            tensor=name,
+        )
     if t.device.type == "meta":
-        where, end = (f"{patch_name}: ", "; nothing was changed") if patch_name else ("", "")
         raise UsageError(
             f"{where}tensor {name!r} is on the meta device: it has no data (a model made "
             f"without its weights, or with them offloaded); load its weights first{end}",
@@ -200,11 +232,24 @@ def _wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def _workers(workers: int | None) -> int:
+    """``workers``, or all cores (at most 16) for None; anything but a positive int refused."""
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise UsageError(f"workers {workers!r}: give 1 or more, or None for all cores")
+    return workers
+
+
 def _options(level: Level, workers: int | None, *states: Mapping[str, torch.Tensor]) -> DiffOptions:
     """Diff options; changed words are found on the tensors' device when it is not the CPU."""
     from pulsectl._names import MAX_PRESET_LEVEL
 
-    workers = workers or default_workers()
+    workers = _workers(workers)
+    if level != "max" and (
+        isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= 22
+    ):
+        raise UsageError(f"level {level!r}: give 1..22 or 'max'")
     devices = {t.device for state in states for t in state.values()}
     device = None
     if len(devices) == 1 and devices != {torch.device("cpu")}:
@@ -236,7 +281,11 @@ def write_patch(
         from pulsectl.diff import diff_to_path
 
         return diff_to_path(base, target, out, force=True, options=options)
-    return diff_checkpoints(base, target, out, options=options)
+    try:
+        return diff_checkpoints(base, target, out, options=options)
+    except OSError as exc:  # the caller's stream (a socket, a pipe) failed
+        where = str(getattr(out, "name", "<stream>"))
+        raise OutputError(f"{where}: cannot write the patch: {exc.strerror or exc}") from exc
 
 
 def make_patch(
@@ -289,8 +338,11 @@ class Publisher:
         self.step = 0
 
     def anchor(self, state: Mapping[str, torch.Tensor], out: str | Path | None = None) -> str:
-        """Remember ``state`` as the base of the next patch; optionally save it to ``out``."""
-        self._last = self._snapshot(state)
+        """Remember ``state`` as the base of the next patch; optionally save it to ``out``.
+
+        When saving fails, the publisher still holds the previous anchor (and fingerprint)."""
+        _options(self.level, self.workers)  # a bad level or workers: refused now, not later
+        snapshot = self._snapshot(state)
         if out is not None:
             from pulsectl.checkpoint import save_safetensors
 
@@ -302,12 +354,13 @@ class Publisher:
                         tuple(t.shape),
                         _to_numpy(_tensor_bytes(t)),
                     )
-                    for name, t in self._last.items()
+                    for name, t in snapshot.items()
                 },
                 self.metadata,
             )
-        self.fingerprint = state_dict_fingerprint(self._last, self.metadata)
-        return self.fingerprint
+        fingerprint = state_dict_fingerprint(snapshot, self.metadata)
+        self._last, self.fingerprint = snapshot, fingerprint
+        return fingerprint
 
     def publish(
         self, state: Mapping[str, torch.Tensor], out: str | Path | BinaryIO | None = None
@@ -424,8 +477,28 @@ def apply_patch(
     assert tfile.header is not None
     targets = {t.name: t for t in tfile.header.tensors}
     for key, entry in state.items():
-        if key in targets:  # an entry the patch removes is only deleted
+        if key in targets:
             _require_data(key, entry, name)
+        elif not isinstance(entry, torch.Tensor):  # one the patch removes is only deleted
+            _require_data(key, entry, name)  # but it must be a tensor: refused there
+    workers = _workers(workers)
+    if header.scope == "tensors":
+        # A block patch binds only its tensors; the others must be there as the target's
+        # header has them (as `pulsectl apply` checks a file's header), whatever their values.
+        for info in tfile.header.tensors:
+            t = state.get(info.name)
+            if t is None or not isinstance(t, torch.Tensor):
+                raise IntegrityError(
+                    f"{name}: wrong base: the state dict has no tensor {info.name!r}; a block "
+                    "patch applies to the model it was made for",
+                    tensor=info.name,
+                )
+            if TORCH_TO_SAFETENSORS.get(t.dtype) != info.dtype or tuple(t.shape) != info.shape:
+                raise IntegrityError(
+                    f"{name}: wrong base: tensor {info.name!r} is {t.dtype} {tuple(t.shape)}, "
+                    f"the patch's model has {info.dtype} {list(info.shape)}",
+                    tensor=info.name,
+                )
 
     # 1. The base: every tensor the patch reads must be there, with the expected bytes.
     for item in header.items:
@@ -489,7 +562,6 @@ def apply_patch(
                 block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
                 yield _decode(block.codec, block.payload, base_bytes, b * bb, size, item.word)
 
-    workers = workers or default_workers()
     results = ordered_map(tasks(), workers, window_for(workers, bb))
     for item, promised in zip(header.items, trailer.items, strict=True):
         assert item.name is not None
@@ -524,6 +596,10 @@ def apply_patch(
                     item.name, _concat(positions, np.int64), _concat(words, _NP_WORD[item.word])
                 )
             )
+    # Every frame head is read, those of trailing items without blocks (empty tensors) too:
+    # the generator stops at the last block otherwise (one worker runs it inline).
+    for _ in results:
+        raise CorruptPatchError(f"{name}: more blocks than its items hold")
     reader.read_trailer()  # the whole-file checksum
 
     # 3. Everything that could refuse is checked before the first write: where each changed
@@ -537,6 +613,13 @@ def apply_patch(
                 name, update.name, state[update.name], info.word, update.positions
             )
     replaced = {update.name for update in updates if update.positions is None}
+    for key in replaced:
+        if targets[key].dtype not in SAFETENSORS_TO_TORCH:
+            raise UsageError(
+                f"{name}: tensor {key!r} is {targets[key].dtype}, which torch has no dtype for; "
+                "apply this patch to the saved files (apply_patches); nothing was changed",
+                tensor=key,
+            )
     kept = [key for key in state if key in targets and key not in replaced]
     promised_fps = {
         item.name: promised.fingerprint
@@ -573,7 +656,22 @@ def apply_patch(
     for key in [k for k in state if k not in targets]:
         if not (keep_followers and key in followers):
             del state[key]
+    if header.scope == "tensors":
+        # The target's fingerprint is the state's only once every block is in: say what the
+        # state is now, as apply_patches does for a file.
+        return _fingerprint_as(state, tfile.header)
     return trailer.target_fingerprint
+
+
+def _fingerprint_as(state: Mapping[str, torch.Tensor], header: SafetensorsHeader) -> str:
+    """The fingerprint of the file ``header`` describes, holding the tensors of ``state``."""
+    h = new_hasher()
+    h.update(len(header.raw).to_bytes(8, "little") + header.raw)
+    for info in header.tensors:
+        flat = _tensor_bytes(state[info.name])
+        for off in range(0, info.nbytes, _HASH_CHUNK):
+            h.update(_to_numpy(flat[off : off + _HASH_CHUNK]))
+    return h.hexdigest()
 
 
 def _tied_followers(

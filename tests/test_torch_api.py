@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pulsectl.diff import DiffOptions, diff_checkpoints
-from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
+from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.hashing import fingerprint_file
 from pulsectl.torch_api import (
     Publisher,
@@ -547,3 +547,161 @@ def test_meta_tensors_are_refused_with_a_usage_error() -> None:
     assert apply_patch(state, make_patch(old, added)) == state_dict_fingerprint(added)
     assert "gone" not in state and state["extra"].device.type == "cpu"
     assert _same(state, added)
+
+
+def test_a_block_patch_returns_what_the_state_now_is(tmp_path: Path) -> None:
+    """A block patch binds only its tensors: apply_patch checks that the others are there as
+    the patch's model has them, and returns the state's fingerprint as patched, which is the
+    target's once every block is in (as apply_patches does for files)."""
+    from pulsectl.blocks import diff_blocks
+
+    old, new = _state(1), _step(_state(1), 2)
+    save_file(old, tmp_path / "a.safetensors")
+    save_file(new, tmp_path / "b.safetensors")
+    written = diff_blocks(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse", 1
+    )
+    assert len(written) == 2
+    target = fingerprint_file(tmp_path / "b.safetensors")
+    state = {k: v.clone() for k, v in old.items()}
+    first = apply_patch(state, written[0][0])
+    assert first == state_dict_fingerprint(state) != target
+    assert apply_patch(state, written[1][0]) == target == state_dict_fingerprint(state)
+    assert _same(state, new)
+    # Another model's layout (a tensor missing, or of another dtype): refused, untouched.
+    for bad in ({k: v for k, v in old.items() if k != "model.layers.0.bias"},
+                {**old, "model.layers.0.bias": old["model.layers.0.bias"].double()}):  # fmt: skip
+        before = {k: v.clone() for k, v in bad.items()}
+        with pytest.raises(IntegrityError, match="wrong base"):
+            apply_patch(bad, written[0][0])
+        assert _same(bad, before)
+
+
+def test_trailing_empty_tensors_with_one_worker() -> None:
+    """The frame heads of empty tensors at the end of the file are read too: with one worker
+    (inline) or no block at all, apply_patch took a valid patch for a damaged trailer."""
+    old = {"w": torch.randn(4, 4), "mask": torch.zeros(0, dtype=torch.bool)}
+    new = {"w": old["w"] + 1, "mask": torch.zeros(0, dtype=torch.bool)}
+    for workers in (1, 2):
+        state = {k: v.clone() for k, v in old.items()}
+        apply_patch(state, make_patch(old, new), workers=workers)
+        assert _same(state, new)
+    only = {"e": torch.zeros(0)}
+    assert apply_patch(dict(only), make_patch(only, only), workers=2) == state_dict_fingerprint(
+        only
+    )
+
+
+def test_dtypes_torch_lacks_are_refused_before_any_write(tmp_path: Path) -> None:
+    """F8_E8M0 maps to torch.float8_e8m0fnu; F4 and F6 have no torch dtype: a patch that
+    adds one is refused before the first write (it was half applied, then a KeyError)."""
+    from pulsectl.checkpoint import save_safetensors
+
+    w = np.arange(16, dtype=np.float32)
+    save_safetensors(tmp_path / "a.safetensors", {"w": ("F32", (16,), w)})
+    for dtype, ok in (("F8_E8M0", True), ("F6_E3M2", False)):
+        b = tmp_path / f"{dtype}.safetensors"
+        save_safetensors(
+            b,
+            {"w": ("F32", (16,), w + 1), "s": (dtype, (8,), np.full(8 if ok else 6, 3, np.uint8))},
+        )
+        patch = tmp_path / f"{dtype}.pulse"
+        with open(patch, "wb") as f:
+            from pulsectl.diff import diff_checkpoints as diff
+
+            diff(tmp_path / "a.safetensors", b, f)
+        state = {"w": torch.from_numpy(w.copy())}
+        if ok:
+            assert apply_patch(state, patch) == fingerprint_file(b)
+            assert state["s"].dtype == torch.float8_e8m0fnu
+        else:
+            with pytest.raises(UsageError, match="torch has no dtype for"):
+                apply_patch(state, patch)
+            assert torch.equal(state["w"], torch.from_numpy(w)) and "s" not in state
+
+
+def test_a_failed_anchor_keeps_the_previous_one(tmp_path: Path) -> None:
+    s0 = _state(3)
+    pub = Publisher()
+    fp0 = pub.anchor(s0)
+    with pytest.raises(OutputError):
+        pub.anchor(_step(s0, 4), tmp_path / "no" / "such" / "anchor.safetensors")
+    assert pub.fingerprint == fp0
+    worker = {k: v.clone() for k, v in s0.items()}
+    s2 = _step(s0, 5)
+    apply_patch(worker, pub.publish(s2))
+    assert _same(worker, s2)
+    with pytest.raises(UsageError, match="level 99"):
+        Publisher(level=99).anchor(s0)
+
+
+class _WithExtraState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"fp8_meta": 1}
+
+    def set_extra_state(self, state: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda w: make_patch({"w": w.to_sparse()}, {"w": w.to_sparse()}),
+        lambda w: state_dict_fingerprint(_WithExtraState().state_dict()),
+        lambda w: make_patch({"w": w}, {"w": w}, metadata={"step": 3}),  # type: ignore[dict-item]
+        lambda w: make_patch({"w": w}, {"w": w}, level="min"),  # type: ignore[arg-type]
+        lambda w: make_patch({"w": w}, {"w": w}, workers=0),
+        lambda w: state_dict_fingerprint({0: w}),  # type: ignore[dict-item]
+        lambda w: state_dict_fingerprint({"c": torch.tensor([1 + 2j]).conj()}),
+        lambda w: apply_patch({"w": w.to_sparse()}, make_patch({"w": w}, {"w": w + 1})),
+        lambda w: apply_patch(
+            {"w": w.clone(), "_extra_state": {"a": 1}}, make_patch({"w": w}, {"w": w + 1})
+        ),  # type: ignore[dict-item]  # noqa: E501
+    ],
+    ids=[
+        "sparse",
+        "extra-state",
+        "metadata",
+        "level",
+        "workers",
+        "key",
+        "conj",
+        "apply-sparse",
+        "apply-extra",
+    ],
+)
+def test_what_a_state_dict_cannot_hold_is_a_usage_error(call) -> None:
+    """Docs: every failure raises a PulseError subclass (these were AttributeError,
+    RuntimeError, ValueError, KeyError)."""
+    with pytest.raises(UsageError):
+        call(torch.randn(4, 4))
+
+
+def test_a_broken_stream_is_an_output_error() -> None:
+    class Broken(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: object) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    w = torch.randn(4, 4)
+    with pytest.raises(OutputError, match="cannot write the patch: Broken pipe"):
+        write_patch({"w": w}, {"w": w + 1}, Broken())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a torch without CUDA")
+def test_a_cuda_device_on_a_torch_without_cuda_is_a_device_error() -> None:
+    from pulsectl.errors import DeviceError
+    from pulsectl.torch_api import StateDictSource
+
+    w = torch.randn(4, 4)
+    with pytest.raises(DeviceError, match="not compiled with CUDA"):
+        diff_checkpoints(
+            StateDictSource({"w": w}), StateDictSource({"w": w + 1}), io.BytesIO(),
+            options=DiffOptions(device="cuda"),
+        )  # fmt: skip
