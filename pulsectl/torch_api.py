@@ -395,7 +395,11 @@ class Publisher:
         for name, t in state.items():
             _require_data(name, t)
         if self.keep_on_device:
-            return {k: v.detach().clone() for k, v in state.items()}
+            kept = {k: v.detach().clone() for k, v in state.items()}
+            # The clones are queued on the caller's stream: done before the trainer's next
+            # step (on any stream) can change what they copy.
+            _wait_for_queued_work(kept.values())
+            return kept
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
@@ -557,6 +561,10 @@ def apply_patch(
             base_bytes = (
                 _tensor_bytes(state[item.base_name]) if item.base_name is not None else None
             )
+            if base_bytes is not None and base_bytes.device.type == "cuda":
+                # A non-contiguous tensor's copy was queued on this thread's current stream;
+                # the workers read it on the device's default stream.
+                _wait_for_queued_work([base_bytes])
             for b in range(nblocks):
                 size = min(bb, item.nbytes - b * bb)
                 block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
