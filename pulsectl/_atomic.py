@@ -13,13 +13,13 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, BinaryIO
 
 from pulsectl import _placed
-from pulsectl.errors import OutputError, UsageError
+from pulsectl.errors import OutputError, PulseError, UsageError
 
 TEMP_MARK = ".pulsectl-tmp-"
 
@@ -578,3 +578,42 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def commit_outputs(writes: Sequence[tuple[Path, Callable[[Path], Any]]]) -> list[Any]:
+    """Outputs that are one result (a LoCo patch and its residual, the block patches of one
+    update): ``write(tmp)`` writes each to a temp file beside it, then all are moved into
+    place, in order, with signals held. Nothing is replaced unless every output was written
+    in full; an error of a write that names its temp names the output. Returns what each
+    ``write`` returned."""
+    temps: list[tuple[Path, Path]] = []
+    done: list[Any] = []
+    try:
+        for target, write in writes:
+            tmp = temp_path(target)
+            temps.append((tmp, target))
+            try:
+                with _placed.unrecorded():  # the temp is not the output
+                    done.append(write(tmp))
+            except PulseError as exc:
+                if exc.path is None or Path(exc.path).parent != target.parent:
+                    raise
+                reason = exc.message.removeprefix(f"{exc.path}: ")
+                raise OutputError(f"{target}: {reason}", path=target) from None
+        # All of them or, on an error, the first ones: never one without the others because
+        # an interrupt came between them.
+        with interrupts_deferred():
+            for tmp, target in temps:
+                try:
+                    keep_mode(tmp, target)  # a replaced file keeps its bits
+                    put_in_place(tmp, target)
+                except OSError as exc:
+                    raise os_error(exc, target) from exc
+    except OSError as exc:
+        raise os_error(exc, writes[len(temps) - 1][0] if temps else Path(".")) from exc
+    finally:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                if tmp.exists():
+                    remove(tmp)
+    return done

@@ -15,17 +15,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from pulsectl import _placed
-from pulsectl._atomic import (
-    check_file_target,
-    file_path,
-    interrupts_deferred,
-    keep_mode,
-    os_error,
-    put_in_place,
-    remove,
-    temp_path,
-)
+from pulsectl._atomic import check_file_target, commit_outputs, file_path
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, DiffSummary, diff_to_path, refuse_input_as_output
 from pulsectl.errors import OutputError, UsageError
@@ -107,47 +97,27 @@ def diff_blocks(
     for path in paths:  # every one before the first is written
         refuse_input_as_output(path, (old, new))
         check_file_target(path, force, "patch")  # a folder, a device in the way
-    written = []
-    temps: list[Path] = []
-    # Every patch goes to a temp file first and all are renamed into place at the end: an
-    # error halfway (a full disk) must not leave some new block patches beside the old
-    # update's others, which `apply BASE out.*.pulse` would take as one update.
-    try:
-        # Both checkpoints are opened, parsed and hashed once for all the patches (each patch
-        # still names every fingerprint of the base and of the target).
-        with (
-            FileSource(Checkpoint.open(old), remember_scans=True, name=str(old)) as base,
-            FileSource(target_ckpt, remember_scans=True, name=str(new)) as target,
-        ):
-            for path, (_, members) in zip(paths, groups, strict=True):
-                tensors = tuple(glob.escape(m) for m in members)
-                selected = dataclasses.replace(options, tensors=tensors)
-                tmp = temp_path(path)
-                temps.append(tmp)
-                try:
-                    with _placed.unrecorded():
-                        summary = diff_to_path(
-                            base, target, tmp, force=True, options=selected, durable=durable
-                        )
-                except OutputError as exc:
-                    if exc.path is None or Path(exc.path).parent != path.parent:
-                        raise
-                    reason = exc.message.removeprefix(f"{exc.path}: ")
-                    raise OutputError(
-                        f"{path}: {reason} (no block patch of this run was written)", path=path
-                    ) from None
-                written.append((path, summary))
-        with interrupts_deferred():  # all of them, or (an error on a rename) the first ones
-            for tmp, path in zip(temps, paths, strict=True):
-                try:
-                    keep_mode(tmp, path)
-                    put_in_place(tmp, path)
-                except OSError as exc:
-                    raise os_error(exc, path) from exc
-    finally:
-        for tmp in temps:
-            if tmp.exists():
-                remove(tmp)
+    # The block patches are one output: each is written to a temp file and all are renamed
+    # into place at the end, so an error halfway (a full disk) never leaves some new block
+    # patches beside the old update's others, which `apply BASE out.*.pulse` would take as
+    # one update.
+    # Both checkpoints are opened, parsed and hashed once for all the patches (each patch
+    # still names every fingerprint of the base and of the target).
+    with (
+        FileSource(Checkpoint.open(old), remember_scans=True, name=str(old)) as base,
+        FileSource(target_ckpt, remember_scans=True, name=str(new)) as target,
+    ):
+
+        def writer(members: list[str]) -> Callable[[Path], DiffSummary]:
+            selected = dataclasses.replace(options, tensors=tuple(glob.escape(m) for m in members))
+            return lambda tmp: diff_to_path(
+                base, target, tmp, force=True, options=selected, durable=durable
+            )
+
+        summaries = commit_outputs(
+            [(path, writer(members)) for path, (_, members) in zip(paths, groups, strict=True)]
+        )
+    written = list(zip(paths, summaries, strict=True))
     for path in stale:
         path.unlink(missing_ok=True)
         if say is not None:

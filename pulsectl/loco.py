@@ -22,7 +22,6 @@ So ``pulsectl inspect`` reads it as is, and ``pulsectl apply ZEROS PATCH`` densi
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
@@ -38,13 +37,8 @@ import numpy as np
 from pulsectl import __version__
 from pulsectl._atomic import (
     check_file_target,
+    commit_outputs,
     file_path,
-    interrupts_deferred,
-    keep_mode,
-    os_error,
-    put_in_place,
-    remove,
-    temp_path,
 )
 from pulsectl._io import pread_array
 from pulsectl.cast import cast_words
@@ -60,8 +54,6 @@ from pulsectl.errors import (
     CorruptPatchError,
     InputError,
     IntegrityError,
-    OutputError,
-    PulseError,
     UsageError,
 )
 from pulsectl.format import (
@@ -555,7 +547,7 @@ def encode_files(
     residual = None if created else load_tensors(residual_path)[0]
     update, new_residual = encode(global_, local, residual, visible=visible)
     data = dumps(update, level=level)
-    _commit([(out, lambda p: _write_bytes(p, data)), (residual_path, _saver(new_residual))])
+    commit_outputs([(out, lambda p: _write_bytes(p, data)), (residual_path, _saver(new_residual))])
     return EncodeSummary(update.sent, update.total, len(data), created)
 
 
@@ -577,10 +569,10 @@ def reduce_files(
     updates = [read_update(p) for p in patches]
     avg = reduce(updates)
     if dense:
-        _commit([(out, _saver(avg.dense()))])
+        commit_outputs([(out, _saver(avg.dense()))])
     else:
         data = dumps(avg, level=level)
-        _commit([(out, lambda p: _write_bytes(p, data))])
+        commit_outputs([(out, lambda p: _write_bytes(p, data))])
     return ReduceSummary(len(updates), avg.sent, avg.total, out.stat().st_size)
 
 
@@ -630,7 +622,7 @@ def step_files(
     writes = [(out, _saver(new_global, metadata))]
     if new_momentum is not None and momentum_path is not None:
         writes.append((momentum_path, _saver(new_momentum)))
-    _commit(writes)
+    commit_outputs(writes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -851,39 +843,3 @@ def _saver(tensors: Tensors, metadata: dict[str, str] | None = None) -> Any:
         save_safetensors(path, {n: (_F32, a.shape, a) for n, a in tensors.items()}, metadata)
 
     return save
-
-
-def _commit(writes: Sequence[tuple[Path, Any]]) -> None:
-    """Write every output to a temp file beside it, then move them into place in order.
-
-    Nothing is replaced unless every output was written in full.
-    """
-    temps: list[tuple[Path, Path]] = []
-    try:
-        for target, write in writes:
-            tmp = temp_path(target)
-            temps.append((tmp, target))
-            try:
-                write(tmp)
-            except PulseError as exc:  # names the temp, removed below: name the output
-                if exc.path is None or Path(exc.path).parent != target.parent:
-                    raise
-                raise OutputError(
-                    f"{target}: {exc.message.removeprefix(f'{exc.path}: ')}", path=target
-                ) from None
-        # All of them or, on an error, the first ones: never the patch without the residual
-        # because an interrupt came between them.
-        with interrupts_deferred():
-            for tmp, target in temps:
-                try:
-                    keep_mode(tmp, target)  # a replaced file keeps its bits
-                    put_in_place(tmp, target)
-                except OSError as exc:
-                    raise os_error(exc, target) from exc
-    except OSError as exc:
-        raise os_error(exc, writes[len(temps) - 1][0] if temps else Path(".")) from exc
-    finally:
-        for tmp, _ in temps:
-            with contextlib.suppress(OSError):
-                if tmp.exists():
-                    remove(tmp)
