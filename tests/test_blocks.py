@@ -338,3 +338,5 @@ def test_a_block_patch_is_compared_with_its_own_tensors(tmp_path: Path, chain, c
     assert total["covered_bytes"] == covered < total["target_bytes"]
     assert main(["stats", str(out)]) == 0
     assert f"{covered / size:.1f}x smaller than its tensors" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 0
+    assert f"ratio          {covered / size:.1f}x (bytes of its tensors" in capsys.readouterr().out

@@ -45,7 +45,13 @@ def inspect(
         f"target         {doc['target']['fingerprint']} ({_size(doc['target']['bytes'])})",
         f"changed words  {doc['changed_words']:,} of {doc['total_words']:,} ({doc['density']:.4%})",
     ]
-    if doc["patch_bytes"]:
+    if doc["patch_bytes"] and doc["scope"] == "tensors":  # a block patch: its own tensors
+        covered = sum(t["nbytes"] for t in doc["tensors"])
+        lines.append(
+            f"ratio          {covered / doc['patch_bytes']:.1f}x "
+            "(bytes of its tensors / patch bytes; a block patch)"
+        )
+    elif doc["patch_bytes"]:
         lines.append(
             f"ratio          {doc['target']['bytes'] / doc['patch_bytes']:.1f}x "
             "(target bytes / patch bytes)"
