@@ -13,8 +13,9 @@ def paths_problem(paths: list[str], layout: str) -> str | None:
     """Why ``paths`` (POSIX relative paths, in order) are not a checkpoint's files, or None.
 
     A single file (``layout == "file"``) is one path, empty; a folder's are non-empty, unique,
-    sorted, each a plain relative path of names that do not start with a dot, none of them
-    both a file and a folder.
+    sorted, each a plain relative path of names that do not start with a dot, without control
+    characters (a newline in a name would let two folders' fingerprint texts be the same),
+    none of them both a file and a folder.
     """
     if layout == "file":
         return None if paths == [""] else "a single file is named by exactly one empty path"
@@ -26,7 +27,7 @@ def paths_problem(paths: list[str], layout: str) -> str | None:
             not p
             or p.startswith("/")
             or "\\" in p
-            or "\0" in p
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in p)  # NUL, newline, ...
             or any(part in ("", ".", "..") or part.startswith(".") for part in parts)
         ):
             return f"unsafe file path {p!r}"

@@ -40,6 +40,7 @@ from pulsectl.codecs import decode_block, decode_moves, patch_in_place
 from pulsectl.codecs._bits import add_moves
 from pulsectl.errors import (
     CorruptPatchError,
+    FormatError,
     IntegrityError,
     OutputError,
     PulseError,
@@ -801,17 +802,21 @@ def _writes(patch: str, index: int) -> str | None:
     return fp if isinstance(fp, str) else None
 
 
+def same_block_layout(header: PatchHeader, ckpt: Checkpoint) -> bool:
+    """Whether ``ckpt`` has a block patch's files and headers (its base and its target do)."""
+    return [e.relpath for e in ckpt.files] == [f.path for f in header.files] and all(
+        (e.header.raw if e.header else None) == (f.header.raw if f.header else None)
+        for e, f in zip(ckpt.files, header.files, strict=True)
+    )
+
+
 def _check_block_base(header: PatchHeader, base: Checkpoint, base_path: Path, patch: str) -> None:
     """A block patch applies when BASE has its layout (files and headers).
 
     Each tensor it reads is checked against its ``base_fingerprint`` while it is applied.
     """
     hint = "apply the patch to the checkpoint it was made from"
-    same = [e.relpath for e in base.files] == [f.path for f in header.files] and all(
-        (e.header.raw if e.header else None) == (f.header.raw if f.header else None)
-        for e, f in zip(base.files, header.files, strict=True)
-    )
-    if not same:
+    if not same_block_layout(header, base):
         raise IntegrityError(
             f"{base_path}: wrong base for {patch}: its files or tensor layout differ from the "
             f"block patch's; {hint}",
@@ -918,8 +923,8 @@ def _decode_task(
                 out = old  # patched in place: its base fingerprint is already taken
             else:
                 out = _decode(codec, payload, old, step.size, item.word, pool, device)
-        except CorruptPatchError as exc:
-            raise CorruptPatchError(
+        except (CorruptPatchError, FormatError) as exc:  # damaged, or a newer codec
+            raise type(exc)(
                 f"{patch_name}: tensor {item.label!r}: {exc}",
                 path=patch_name,
                 tensor=item.name,

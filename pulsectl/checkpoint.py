@@ -377,6 +377,14 @@ def _walk(root: Path, rel: tuple[str, ...], out: list[tuple[str, Path]]) -> None
                 "(its fingerprint and patches record them): rename it",
                 path=path,
             ) from None
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in entry.name):
+            # The fingerprint is a text of one line per file: a newline in a name could make
+            # two different folders' texts, and fingerprints, the same.
+            raise InputError(
+                f"{ascii(str(path))}: file name holds a control character (a newline?); a "
+                "folder checkpoint's fingerprint lists its files one per line: rename it",
+                path=path,
+            )
         if entry.is_symlink():
             if path.is_file():
                 out.append(("/".join(parts), path))

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pulsectl import _placed
 from pulsectl._atomic import missing_folder, os_error
 from pulsectl.apply import apply_patches
 from pulsectl.diff import diff_to_path
@@ -41,6 +42,9 @@ def run_demo(
             keep.mkdir(exist_ok=True)
         except OSError as exc:
             raise os_error(exc, keep) from exc
+        # An interrupt from here on leaves what the demo wrote so far: say so (the folder is
+        # then not empty, and --keep must be given another, or it emptied).
+        _placed.done(f"while the demo was writing into {keep} (remove what it holds to reuse it)")
         return _run(keep, shape, steps, lr, say)
     with tempfile.TemporaryDirectory(prefix="pulsectl-demo-") as tmp:
         return _run(Path(tmp), shape, steps, lr, say)

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from pulsectl.checkpoint import Checkpoint, TensorInfo
-from pulsectl.errors import IntegrityError, UsageError
+from pulsectl.codecs import check_block
+from pulsectl.errors import FormatError, IntegrityError, PulseError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     FORMAT_VERSION,
@@ -107,9 +108,16 @@ def read_patch_info(source: str | Path | BinaryIO, *, check: bool = False) -> Pa
                 nblocks = blocks_in(item.nbytes, header.block_bytes)
                 reader.read_frame(index, nblocks)
                 for b in range(nblocks):
-                    reader.read_block(
-                        header.block_bytes + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r} block {b}"
-                    )
+                    where = f"tensor {item.label!r} block {b}"
+                    block = reader.read_block(header.block_bytes + BLOCK_PAYLOAD_SLACK, where)
+                    if check:  # what can be told without the base (a pipe: checksums only)
+                        size = min(header.block_bytes, item.nbytes - b * header.block_bytes)
+                        try:
+                            check_block(
+                                block.codec, block.payload, size, item.base_file is not None
+                            )
+                        except PulseError as exc:
+                            raise type(exc)(f"{reader.name}: {where}: {exc.message}") from None
             trailer_json = reader.read_trailer()
             size = reader.offset + 16
         trailer = trailer_from_json(trailer_json, header, reader.name)
@@ -141,7 +149,7 @@ def verify_checkpoint(
             )
         what = "the expected fingerprint"
         base = None
-    actual = fingerprint_of(Checkpoint.open(checkpoint))
+    actual = fingerprint_of(_open_checked(checkpoint, what))
     if actual != expected:
         # The commonest miss in a pipeline: checking the checkpoint before the patch is applied.
         hint = "; it is the patch's base: apply the patch to it first" if actual == base else ""
@@ -154,11 +162,31 @@ def verify_checkpoint(
     return actual
 
 
+def _open_checked(checkpoint: str | Path, what: str) -> Checkpoint:
+    """CKPT, opened; a malformed one (a truncated download) is not what was expected: exit 3,
+    as for any other checkpoint that is not it."""
+    try:
+        return Checkpoint.open(checkpoint)
+    except FormatError as exc:
+        raise IntegrityError(
+            f"{checkpoint}: is not {what}: it is not a readable checkpoint ({exc.message})",
+            path=str(checkpoint),
+        ) from None
+
+
 def _verify_block(checkpoint: str | Path, info: PatchInfo) -> str:
-    """A block patch's target is its tensors: check those, whatever the rest holds."""
+    """A block patch's target is its tensors: check those, whatever the rest holds, in the
+    layout (files and headers) the block patch keeps, as apply requires of its base."""
+    from pulsectl.apply import same_block_layout
     from pulsectl.sources import FileSource, scan
 
-    ckpt = Checkpoint.open(checkpoint)
+    ckpt = _open_checked(checkpoint, f"the target of {info.name}")
+    if not same_block_layout(info.header, ckpt):
+        raise IntegrityError(
+            f"{checkpoint}: is not the target of {info.name}: its files or tensor layout "
+            "differ from the block patch's",
+            path=str(checkpoint),
+        )
     with FileSource(ckpt) as source:
         fps: dict[str, str] = {}
         for index, entry in enumerate(ckpt.files):

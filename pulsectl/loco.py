@@ -52,6 +52,7 @@ from pulsectl.checkpoint import (
 from pulsectl.codecs import decode_block, encode_block
 from pulsectl.errors import (
     CorruptPatchError,
+    FormatError,
     InputError,
     IntegrityError,
     UsageError,
@@ -405,8 +406,8 @@ def read_update(source: str | Path | BinaryIO, name: str | None = None) -> Spars
             block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, f"tensor {t.name!r} block {b}")
             try:
                 data = decode_block(block.codec, block.payload, np.zeros(size, np.uint8), size, 4)
-            except CorruptPatchError as exc:
-                raise CorruptPatchError(
+            except (CorruptPatchError, FormatError) as exc:  # damaged, or a newer codec
+                raise type(exc)(
                     f"{reader.name}: tensor {t.name!r}: {exc}", path=reader.name, tensor=t.name
                 ) from exc
             update_both(h, whole, data.data)

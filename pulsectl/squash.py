@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from pulsectl.codecs import (
 from pulsectl.codecs._bits import moves_planes
 from pulsectl.codecs.delta import decode_moves, encode_moves
 from pulsectl.diff import DiffOptions
-from pulsectl.errors import CorruptPatchError, IntegrityError, UsageError
+from pulsectl.errors import CorruptPatchError, FormatError, IntegrityError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     Block,
@@ -125,7 +126,7 @@ def squash_patches(
     with contextlib.ExitStack() as stack:
         streams = [stack.enter_context(open(p, "rb")) for p in patches]
         header, trailer_items = _compose_header(infos)
-        sink = atomic_file(out, force) if isinstance(out, Path) else contextlib.nullcontext(out)
+        sink = atomic_file(out, force) if isinstance(out, Path) else _staged(out)
         with sink as f:
             writer = PatchWriter(f, header.to_json())
             results: list[ItemResult] = []
@@ -251,8 +252,8 @@ def _compose_block(
     for block, source in zip(blocks, sources, strict=True):
         try:
             raw, positions, moves = _fold(block, item, size, source, raw, positions, moves)
-        except CorruptPatchError as exc:
-            raise CorruptPatchError(
+        except (CorruptPatchError, FormatError) as exc:  # damaged, or a newer codec
+            raise type(exc)(
                 f"{source}: tensor {item.label!r}: {exc}", path=source, tensor=item.name
             ) from exc
     if raw is not None:
@@ -332,6 +333,17 @@ def _add_moves(
     np.add.at(total, inverse, moves)
     keep = total != 0
     return unique[keep], total[keep]
+
+
+@contextlib.contextmanager
+def _staged(out: BinaryIO) -> Iterator[BinaryIO]:
+    """A stream output gets the patch only once it is whole: a refusal found while composing
+    (a --level max block that needs the base) must not leave part of a patch in a pipe that
+    an `aws s3 cp -` would store. Kept in memory up to 64 MiB, then in $TMPDIR."""
+    with tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024) as staged:
+        yield cast(BinaryIO, staged)
+        staged.seek(0)
+        shutil.copyfileobj(staged, out, 1024 * 1024)
 
 
 def _refuse_an_input_as_output(

@@ -24,7 +24,7 @@ from pulsectl.codecs import (
     delta,
     encode_block,
 )
-from pulsectl.errors import CorruptPatchError
+from pulsectl.errors import CorruptPatchError, FormatError
 
 WORDS = (1, 2, 4, 8)
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -252,7 +252,8 @@ def test_decode_rejects_damaged_payloads() -> None:
         decode_block(CODEC_ZSTD, b"not zstd at all", None, 4, 1)
     with pytest.raises(CorruptPatchError):
         decode_block(CODEC_DELTA, enc.payload, None, new.size, 2)
-    with pytest.raises(CorruptPatchError):
+    # An unknown codec id is a newer writer's (its checksum held): unsupported, not damaged.
+    with pytest.raises(FormatError, match="unknown block codec 9: made by a newer pulsectl"):
         decode_block(9, b"", old, old.size, 1)
 
 

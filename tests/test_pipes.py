@@ -375,3 +375,22 @@ def test_an_interrupt_while_a_patch_is_arriving_on_stdin_is_exit_130(tmp_path: P
         assert r.returncode == 130, err
         assert one_error_line(err) == "pulsectl: error: interrupted; no output was written"
         assert not (ab / "c.safetensors").exists() and not list(ab.glob(TEMP_GLOB))
+
+
+def test_squash_to_a_pipe_writes_nothing_when_it_refuses(ab: Path) -> None:
+    """A --level max patch needs the base to be squashed; the refusal comes while composing,
+    and part of a patch went down the pipe before it (an `aws s3 cp -` would store it)."""
+    r = sh(
+        "pulsectl diff a.safetensors b.safetensors --level max -o m.pulse -q && "
+        "pulsectl squash m.pulse -o - > out.pulse",
+        ab,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "need the base to decode; squash with --base CKPT" in one_error_line(r.stderr)
+    assert (ab / "out.pulse").read_bytes() == b""
+    r = sh(
+        "pulsectl squash m.pulse --base a.safetensors -o - | "
+        "pulsectl apply a.safetensors - -o c.safetensors && cmp c.safetensors b.safetensors",
+        ab,
+    )
+    assert r.returncode == 0, r.stderr

@@ -14,7 +14,7 @@ from pulsectl.errors import EXIT_OK, PulseError
 def hash_(
     ctx: typer.Context,
     checkpoints: Annotated[
-        list[Path],
+        list[str],  # printed as given (./a, a/), as sha256sum does: scripts match them
         typer.Argument(metavar="CKPT...", help="Safetensors files or checkpoint folders."),
     ],
 ) -> None:
@@ -31,12 +31,12 @@ def hash_(
     code = EXIT_OK
     for path in checkpoints:
         try:
-            fingerprint = fingerprint_of(Checkpoint.open(path))
+            fingerprint = fingerprint_of(Checkpoint.open(Path(path)))
         except PulseError as exc:  # this checkpoint only; a failed write to stdout ends it all
             out.error(exc)
             code = max(code, exc.exit_code)
             continue
-        out.data(_line(fingerprint, str(path)))
+        out.data(_line(fingerprint, path))
     if code != EXIT_OK:
         raise typer.Exit(code)
 

@@ -17,7 +17,11 @@ def inspect(
     patch: Annotated[str, typer.Argument(metavar="PATCH", help="A .pulse file, or '-' for stdin.")],
     as_json: JsonFlag = False,
     check: Annotated[
-        bool, typer.Option("--check", help="Read the whole patch and verify every checksum.")
+        bool,
+        typer.Option(
+            "--check",
+            help="Read the whole patch: every checksum, and each block's codec and size.",
+        ),
     ] = False,
     top: Annotated[
         int,

@@ -44,7 +44,9 @@ def squash(
     from pulsectl.squash import squash_patches
 
     out: Output = ctx.obj
-    options = parse_level(level, 1)
+    from pulsectl._io import default_workers
+
+    options = parse_level(level, default_workers())  # --base re-diffs: on every core
     stdout = str(output) == "-"
     stream = binary_stdout() if stdout else None  # a terminal is refused before any work
     sink = output if stream is None else stream

@@ -13,7 +13,7 @@ import numpy as np
 
 from pulsectl.codecs import _fast, context, delta, raw, rice
 from pulsectl.codecs._bits import change_planes, order0_bits, rice_cost
-from pulsectl.errors import CorruptPatchError
+from pulsectl.errors import CorruptPatchError, FormatError
 
 CODEC_COPY = 0  # identical to the base block; empty payload
 CODEC_STORE = 1  # the new bytes verbatim
@@ -261,7 +261,7 @@ def decode_block(
     if codec == CODEC_ZSTD:
         return raw.decompress(payload, nbytes)
     if codec not in DELTA_CODECS:
-        raise CorruptPatchError(f"unknown block codec {codec}")
+        raise unknown_codec(codec)
     if old is None:
         raise CorruptPatchError(f"{CODEC_NAMES[codec]} block for an item that has no base")
     plain, paired = plain_codec(codec)
@@ -270,3 +270,42 @@ def decode_block(
     if plain == CODEC_RICE:
         return rice.decode(old, payload, word, paired)
     return context.decode(old, payload, word, paired)
+
+
+def unknown_codec(codec: int) -> FormatError:
+    """A codec id this build does not know, in a block whose checksum holds: new codecs come
+    as new ids (docs/FORMAT.md), so the patch is most likely a newer pulsectl's (exit 1, as an
+    unknown version is; not 3, which would have a pipeline fetch it again and again)."""
+    return FormatError(
+        f"unknown block codec {codec}: made by a newer pulsectl? this one is "
+        f"{_version()}: upgrade it to read the patch"
+    )
+
+
+def _version() -> str:
+    from pulsectl import __version__
+
+    return __version__
+
+
+def check_block(codec: int, payload: bytes, nbytes: int, has_base: bool) -> None:
+    """What can be checked of a block without the base bytes: a known codec that fits the
+    item (a delta or copy block needs a base), a copy block's empty payload, a stored block's
+    size and a zstd frame's declared size. For ``inspect --check``; decoding checks the rest."""
+    if codec not in CODEC_NAMES:
+        raise unknown_codec(codec)
+    if not has_base and (codec == CODEC_COPY or codec in DELTA_CODECS):
+        raise CorruptPatchError(f"{CODEC_NAMES[codec]} block for an item that has no base")
+    if codec == CODEC_COPY and payload:
+        raise CorruptPatchError("copy block carries a payload")
+    if codec == CODEC_STORE and len(payload) != nbytes:
+        raise CorruptPatchError(f"stored block has {len(payload)} bytes, expected {nbytes}")
+    if codec == CODEC_ZSTD:
+        import zstandard
+
+        try:
+            size = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError:
+            size = -2
+        if size != nbytes:
+            raise CorruptPatchError(f"zstd block does not declare its {nbytes} bytes")
