@@ -370,9 +370,15 @@ def _squash_with_base(
     infos: list,
     input_bytes: int,
 ) -> SquashSummary:
-    from pulsectl.apply import apply_patches
+    from pulsectl.apply import _is_patch, apply_patches
     from pulsectl.diff import diff_checkpoints, diff_to_path
 
+    if _is_patch(base):
+        raise UsageError(
+            f"--base {base}: is a .pulse patch; give the checkpoint the first patch was made "
+            "from (pulsectl squash P1 P2... --base CKPT -o OUT)",
+            option="--base",
+        )
     # The chain's target is rebuilt beside the output (or in $TMPDIR for a stream); the
     # output's folder exists: squash_patches checked it first.
     # Beside the output it is named as its temps are (docs/GUARANTEES.md: what a kill -9

@@ -138,3 +138,15 @@ def test_an_interrupted_demo_names_the_folder_it_left(
         "holds to reuse it)\n"
     )
     assert any(keep.iterdir())
+
+
+def test_squash_base_that_is_a_patch_says_squash(
+    pair: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It gave apply's hint (`pulsectl apply BASE PATCH...`)."""
+    _, _, patch = pair
+    out = tmp_path / "s.pulse"
+    assert main(["squash", str(patch), "--base", str(patch), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--base {patch}: is a .pulse patch; give the checkpoint the first patch" in err
+    assert not out.exists()
