@@ -62,9 +62,12 @@ def inspect(
         )
     whole = [t for t in doc["tensors"] if t["name"] is not None and not t["from_base"]]
     if whole:  # new, reshaped or re-typed: nothing in the base to diff them against
+        # Said by what the patch holds: a squash without --base also drops the reference of
+        # a tensor reshaped and reshaped back within its chain, though the base has it.
         lines.append(
-            f"carried whole  {counted(len(whole), 'tensor')} with no base tensor of that name, "
-            f"shape and dtype ({sum(t['encoded_bytes'] for t in whole):,} bytes of frames)"
+            f"carried whole  {counted(len(whole), 'tensor')} stored without a base reference "
+            "(new, reshaped or re-typed; in a squashed chain, at some step) "
+            f"({sum(t['encoded_bytes'] for t in whole):,} bytes of frames)"
         )
     out.data("\n".join(lines))
     table = Table(title=f"largest frames (top {top})")
