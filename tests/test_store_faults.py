@@ -293,3 +293,36 @@ def test_work_folders_beside_an_output_are_named_as_its_temps(
         seen.extend(p.name for p in out.iterdir())
     assert len(seen) == 3 and all(fnmatch.fnmatch(name, TEMP_GLOB) for name in seen), seen
     assert list(out.iterdir()) == []
+
+
+def test_pull_fsync_syncs_every_file_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pull --fsync, as apply --fsync: the worker's checkpoint is on disk before it is named."""
+    chain = generate_chain(tmp_path / "hf", "tiny", steps=1, lr=3e-6, seed=8, shards=2)
+    store = tmp_path / "store"
+    for p in chain:
+        publish(store, p, options=PublishOptions(cache_dir=tmp_path / "cache"))
+    pull_module = importlib.import_module("pulsectl.store.pull")
+    synced: list[str] = []
+    real_fsync, real_install = os.fsync, pull_module.install
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def install(tmp: Path, path: Path) -> None:
+        synced.append("<rename>")
+        real_install(tmp, path)
+
+    monkeypatch.setattr(pull_module.os, "fsync", fsync)
+    monkeypatch.setattr(pull_module, "install", install)
+    out = tmp_path / "w"
+    assert main(["pull", str(store), "-o", str(out), "--fsync", "-q"]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert synced[-1] == "<rename>"
+    assert {Path(s).name for s in synced[:-1]} >= set(files)
+    synced.clear()
+    shutil.rmtree(out)
+    assert main(["pull", str(store), "-o", str(out), "-q"]) == 0
+    assert synced == ["<rename>"]  # without --fsync: no sync

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pulsectl._names import DEFAULT_PREFETCH
-from pulsectl.cli._options import Force, Workers
+from pulsectl.cli._options import Force, Fsync, Workers
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
 from pulsectl.errors import UsageError, counted
@@ -37,6 +37,7 @@ def pull(
         ),
     ] = DEFAULT_PREFETCH,
     workers: Workers = None,
+    fsync: Fsync = False,
 ) -> None:
     """Rebuild a step of STORE at CKPT: from CKPT or an anchor, verified, atomically."""
     from pulsectl.store.pull import pull as pull_step
@@ -44,7 +45,14 @@ def pull(
     out: Output = ctx.obj
     number = parse_step(step)
     summary = pull_step(
-        store, output, step=number, force=force, workers=workers, prefetch=prefetch, log=out.info
+        store,
+        output,
+        step=number,
+        force=force,
+        workers=workers,
+        prefetch=prefetch,
+        log=out.info,
+        durable=fsync,
     )
     if summary.patches or summary.fetched_bytes:
         out.info(

@@ -9,6 +9,7 @@ plan: walk back from the target step along its patches to a local copy of a step
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import tempfile
@@ -87,6 +88,7 @@ def pull(
     workers: int | None = None,
     prefetch: int = DEFAULT_PREFETCH,
     log: Log | None = None,
+    durable: bool = False,
 ) -> PullSummary:
     """Write step ``step`` (default: the latest) of ``store`` to ``out``, verified, atomically.
 
@@ -200,6 +202,8 @@ def pull(
                 actual=actual,
             )
         try:
+            if durable:  # --fsync: on disk before the rename, as apply --fsync does
+                _fsync_tree(result)
             install(result, out)
         except OSError as exc:
             raise os_error(exc, out) from exc
@@ -466,3 +470,14 @@ def _copy(src: Path, dst: Path) -> None:
             shutil.copyfile(src, dst)
     except OSError as exc:
         raise os_error(exc, dst) from exc
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync a file, or every file of a folder and the folders themselves."""
+    paths = [path] if path.is_file() else [path, *sorted(path.rglob("*"))]
+    for item in paths:
+        fd = os.open(item, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
