@@ -25,10 +25,17 @@ import numpy as np
 from pulsectl.errors import DeviceError, UsageError, counted
 
 _T = TypeVar("_T")
-# Devices that `auto` chose (resolve), and those of them that failed once (then the CPU path
-# does their work for the rest of the process).
-_CHOSEN: set[str] = set()
+# Devices that `auto` chose (resolve) and that failed once: the CPU path does their work for
+# the rest of the process (a device named by the caller fails with DeviceError instead).
 _FAILED: set[str] = set()
+
+
+class _Chosen(str):
+    """A device name that pulsectl chose (``auto``, or where live tensors are) rather than one
+    asked for by name: should it fail, the CPU path takes over. A mark on the name itself, so
+    that one call's choice never turns another's named device into a silent fallback."""
+
+
 _failing = threading.Lock()
 
 
@@ -70,8 +77,7 @@ def resolve(spec: str) -> str | None:
 def chosen(device: str) -> str:
     """``device``, marked as chosen by pulsectl rather than asked for by name (``auto``, or
     where live tensors are): should it fail, the CPU path takes over."""
-    _CHOSEN.add(device)
-    return device
+    return _Chosen(device)
 
 
 def _nvidia_driver() -> bool:
@@ -98,7 +104,8 @@ def find_changes(old: Any, new: Any, word: int, device: str) -> np.ndarray | Non
 def _on_device(device: str, what: str, run: Callable[[], _T]) -> _T | None:
     """``run()``, or None where ``device`` was chosen by ``auto`` and has failed (now or
     before); a DeviceError where it was asked for by name."""
-    if device in _FAILED:
+    picked = isinstance(device, _Chosen)
+    if picked and device in _FAILED:
         return None
     try:
         try:
@@ -109,7 +116,7 @@ def _on_device(device: str, what: str, run: Callable[[], _T]) -> _T | None:
             raise RuntimeError(str(exc)) from exc
     except RuntimeError as exc:  # torch.OutOfMemoryError and CUDA errors
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if device not in _CHOSEN:
+        if not picked:
             raise DeviceError(
                 f"--device {device}: {what} failed: {why}; use --device cpu (the same bytes) "
                 "or free the device's memory"

@@ -150,7 +150,6 @@ def busy_device(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     onto it raises torch's out-of-memory RuntimeError. Returns the list of failed moves."""
     import pulsectl.device as dev
 
-    monkeypatch.setattr(dev, "_CHOSEN", set())
     monkeypatch.setattr(dev, "_FAILED", set())
     tries: list[str] = []
 
@@ -209,3 +208,19 @@ def test_a_device_asked_for_by_name_that_fails_is_one_error(chain, busy_device: 
         "--device cpu: finding changed words failed: CUDA out of memory. Tried to allocate "
         "16.00 MiB; use --device cpu (the same bytes) or free the device's memory"
     )
+
+
+def test_one_calls_choice_does_not_make_a_named_device_fall_back(
+    chain, busy_device: list[str], capsys: pytest.CaptureFixture[str]
+):
+    """The mark of a device pulsectl chose travels with the name, not in a process-wide set:
+    after a chosen 'cpu' failed (and fell back), the same device named by a caller still
+    fails with DeviceError, as documented."""
+    from pulsectl.device import chosen
+    from pulsectl.errors import DeviceError
+
+    a, b = chain[0], chain[1]
+    diff_checkpoints(a, b, io.BytesIO(), options=DiffOptions(workers=1, device=chosen("cpu")))
+    assert "--device auto: cpu failed" in capsys.readouterr().err
+    with pytest.raises(DeviceError, match="--device cpu: finding changed words failed"):
+        diff_checkpoints(a, b, io.BytesIO(), options=DiffOptions(workers=1, device="cpu"))
