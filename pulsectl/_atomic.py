@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any, BinaryIO
 
 from pulsectl import _placed
-from pulsectl.errors import OutputError, PulseError, UsageError
+from pulsectl.errors import InputError, OutputError, PulseError, UsageError
 
 TEMP_MARK = ".pulsectl-tmp-"
 
@@ -308,6 +308,13 @@ def atomic_file(
         put_in_place(tmp, path)
     except OSError as exc:
         discard(out, tmp)
+        other = exc.filename
+        writing = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+        if not writing and other is not None and os.fspath(other) not in (str(path), str(tmp)):
+            # Another file failed, a source the body was reading: not a failure to write.
+            raise InputError(
+                f"{other}: cannot read: {exc.strerror or exc}", path=str(other)
+            ) from exc
         raise os_error(exc, path) from exc
     except BaseException:
         discard(out, tmp)

@@ -801,3 +801,17 @@ def test_interrupt_right_after_temp_created_leaves_nothing(
     with pytest.raises(KeyboardInterrupt), atomic_file(tmp_path / "y.pulse", force=False) as f:
         f.write(b"never")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_source_that_cannot_be_read_is_not_called_a_write_failure(tmp_path: Path) -> None:
+    """atomic_file reported any OSError of its body as 'OUT: cannot write', a source that
+    could not be read too (a folder store's upload reads one)."""
+    from pulsectl.errors import InputError
+
+    out = tmp_path / "out"
+    with (
+        pytest.raises(InputError, match=r"missing: cannot read: No such file"),
+        _atomic.atomic_file(out, force=False),
+    ):
+        open(tmp_path / "missing", "rb")  # noqa: SIM115
+    assert list(tmp_path.iterdir()) == []
