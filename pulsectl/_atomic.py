@@ -624,3 +624,33 @@ def commit_outputs(writes: Sequence[tuple[Path, Callable[[Path], Any]]]) -> list
                 if tmp.exists():
                     remove(tmp)
     return done
+
+
+def refuse_stdout_as_input(inputs: Sequence[object], what: str) -> None:
+    """UsageError when standard output is a file among ``inputs`` (or inside a folder input):
+    `diff A B > B`, `1<>B` or `>> B` would write the patch over NEW while it is read, and
+    report a wrong patch as success. As `cat f >> f` refuses it."""
+    try:
+        out = os.fstat(1)
+    except OSError:
+        return
+    if not stat.S_ISREG(out.st_mode):
+        return
+    try:
+        where: str | None = os.readlink("/proc/self/fd/1")  # the path, where the system says
+    except OSError:
+        where = None
+    for item in inputs:
+        if not isinstance(item, (str, os.PathLike)) or os.fspath(item) == "-":
+            continue
+        try:
+            st = os.stat(item)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
+            raise UsageError(
+                f"standard output is {os.fspath(item)}, an input of this command; write the "
+                f"{what} elsewhere"
+            )
+        if where is not None and stat.S_ISDIR(st.st_mode):
+            refuse_inside_folder_input(where, [item], what)

@@ -227,6 +227,8 @@ def start(args: list[str]) -> None:
     keys: set[tuple[int, int]] = set()
     total = 0
     for path, waits in _selected(args):
+        if path.startswith(("/dev/", "/proc/")):  # /dev/stdin, /proc/self/fd/N: the child's
+            continue  # descriptors are not the parent's (it puts /dev/null on 0-2)
         try:
             st = os.stat(path)
         except (OSError, ValueError):
@@ -245,6 +247,7 @@ def start(args: list[str]) -> None:
         rfd, wfd = os.pipe()
     except OSError:
         return
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -252,7 +255,7 @@ def start(args: list[str]) -> None:
         os.close(wfd)
         return
     if pid == 0:  # the child: never returns
-        _run_child(paths, wfd)
+        _run_child(paths, wfd, parent)
     os.close(wfd)
     os.set_inheritable(rfd, False)
     _child = _Child(pid, rfd, keys)
@@ -302,9 +305,10 @@ def lookup(fd: int, header_raw: bytes | None) -> Hashed | None:
     return hashed
 
 
-def _run_child(paths: list[str], wfd: int) -> None:
+def _run_child(paths: list[str], wfd: int, parent: int) -> None:
     code = 0
     try:
+        _die_with(parent)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
@@ -323,6 +327,21 @@ def _run_child(paths: list[str], wfd: int) -> None:
     except BaseException:
         code = 1
     os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """End this child when its parent ends, even by SIGKILL (the OOM killer), which runs no
+    clean-up: an orphan would read a whole checkpoint for nobody. Linux's parent-death
+    signal; elsewhere the child ends at its first write to the closed pipe."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
 
 
 def _hash_file(path: str) -> bytes | None:

@@ -394,3 +394,20 @@ def test_squash_to_a_pipe_writes_nothing_when_it_refuses(ab: Path) -> None:
         ab,
     )
     assert r.returncode == 0, r.stderr
+
+
+def test_standard_output_that_is_an_input_is_refused(ab: Path) -> None:
+    """`diff A B > B` (or `1<>B`, `>> B`) wrote the patch over NEW while reading it and said
+    it succeeded; as `cat f >> f`, it is refused (exit 2), and B is left whole."""
+    before = (ab / "b.safetensors").read_bytes()
+    for redirect in ("1<>b.safetensors", ">> b.safetensors"):
+        r = sh(f"pulsectl diff a.safetensors b.safetensors {redirect}", ab)
+        assert r.returncode == 2, r.stderr
+        assert one_error_line(r.stderr) == (
+            "pulsectl: error: standard output is b.safetensors, an input of this command; "
+            "write the patch elsewhere"
+        )
+        assert (ab / "b.safetensors").read_bytes() == before
+    r = sh("pulsectl diff a.safetensors b.safetensors > p.pulse && "
+           "pulsectl squash p.pulse -o - >> p.pulse", ab)  # fmt: skip
+    assert r.returncode == 2 and "standard output is p.pulse" in r.stderr.decode()

@@ -459,3 +459,75 @@ def test_an_interrupted_diff_ends_promptly_with_its_child(
     assert proc.returncode in (0, 130), err  # 0 if it finished first
     _assert_session_ends(proc.pid)
     assert not list(tmp_path.glob(".*.pulsectl-tmp-*"))
+
+
+def _sparse_checkpoint(path: Path, nbytes: int) -> None:
+    """A one-tensor U8 safetensors file of ``nbytes`` data bytes, sparse: made at once."""
+    header = json.dumps({"a": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + nbytes)
+
+
+def _children(pid: int) -> list[str]:
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[1] == str(pid):
+            found.append(stat_file.parent.name)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's parent-death signal")
+def test_the_child_ends_with_its_parent_even_by_sigkill(tmp_path: Path) -> None:
+    """A kill -9 (the OOM killer) runs no clean-up: the child used to go on reading the whole
+    input for nobody, adopted by init (seen 4 s later on a 16 GiB file)."""
+    path = tmp_path / "big.safetensors"
+    _sparse_checkpoint(path, 16 << 30)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pulsectl.cli.entry import run; run()", "hash",
+         str(path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        kids: list[str] = []
+        while not kids and time.monotonic() < deadline:
+            kids = _children(parent.pid)
+            time.sleep(0.02)
+        assert kids, "no hashing child was started"
+        time.sleep(0.2)  # well into the file
+    finally:
+        parent.kill()
+        parent.wait()
+    time.sleep(0.5)
+    for kid in kids:
+        try:
+            state = Path(f"/proc/{kid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue  # gone and reaped
+        if state != "Z":  # a zombie is dead (init reaps it when it can)
+            os.kill(int(kid), signal.SIGKILL)
+            pytest.fail(f"the child {kid} outlived its parent (state {state})")
+
+
+def test_paths_under_dev_and_proc_are_left_to_the_command(tmp_path: Path) -> None:
+    """/dev/stdin or /proc/self/fd/N name the parent's descriptors; the child puts /dev/null
+    on its own 0-2 first, so it hashed /dev/null, and the command then hashed NEW again."""
+    path = tmp_path / "big.safetensors"
+    _sparse_checkpoint(path, 128 << 20)
+    code = (
+        "import sys; from pulsectl import _prehash; _prehash.start(sys.argv[1:]); "
+        "print(_prehash._child is None)"
+    )
+    with open(path, "rb") as stdin:
+        out = subprocess.run(
+            [sys.executable, "-c", code, "hash", "/dev/stdin"], stdin=stdin, capture_output=True
+        )
+    assert out.stdout.decode().strip() == "True", out.stderr
+    out = subprocess.run([sys.executable, "-c", code, "hash", str(path)], capture_output=True)
+    assert out.stdout.decode().strip() == "False", out.stderr

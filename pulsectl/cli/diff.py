@@ -120,7 +120,10 @@ def diff(
                 "--blocks chooses the tensors itself; drop --tensors/--exclude", option="--blocks"
             )
     elif stdout:
+        from pulsectl._atomic import refuse_stdout_as_input
+
         binary_stdout()  # refuse a terminal before any work
+        refuse_stdout_as_input([old, new], "patch")
     if as_dtype is None:
         _run(out, old, new, output, options, force, fsync, blocks)
         return

@@ -49,6 +49,10 @@ def squash(
     options = parse_level(level, default_workers())  # --base re-diffs: on every core
     stdout = str(output) == "-"
     stream = binary_stdout() if stdout else None  # a terminal is refused before any work
+    if stdout:
+        from pulsectl._atomic import refuse_stdout_as_input
+
+        refuse_stdout_as_input([*patches, *([base] if base is not None else [])], "patch")
     sink = output if stream is None else stream
     summary = squash_patches(patches, sink, base=base, force=force, options=options)
     if stream is not None:
