@@ -201,7 +201,7 @@ step = 1 << 24  # bytes per chunk, a multiple of 2
 n = 0
 for i in range(start, end, step):
     j = min(end, i + step)
-    n += int((a[i:j].view(np.uint16) != b[i:j].view(np.uint16)).sum())
+    n += int(np.count_nonzero(a[i:j].view(np.uint16) != b[i:j].view(np.uint16)))
 print(n)
 """
 

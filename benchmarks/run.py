@@ -263,23 +263,29 @@ def bench_pair(
         measure.compare_cmd(old, new, start, end),
         lambda: measure.warm(old, new),
     )
+    # apply and cp each write 1 GB: the other's output is removed before each runs (checked
+    # first, for apply's), so that neither runs while the other's pages are written back.
+    exact = [True]
+
+    def clear_outputs() -> None:
+        if out.exists():
+            exact[0] = exact[0] and same_bytes(out, new)
+            out.unlink()
+        dest.unlink(missing_ok=True)
+
     if "apply" in default:
         commands["apply"] = (
             shlex.split(default["apply_cmd"]),
-            lambda: (out.unlink(missing_ok=True), measure.warm(old, work / "default.pulse")),
+            lambda: (clear_outputs(), measure.warm(old, work / "default.pulse")),
         )
-    commands["cp"] = (
-        ["cp", str(new), str(dest)],
-        lambda: (dest.unlink(missing_ok=True), measure.warm(new)),
-    )
+    commands["cp"] = (["cp", str(new), str(dest)], lambda: (clear_outputs(), measure.warm(new)))
     # What the two references leave out: the tool's start-up, and hashing both files.
     commands["startup"] = ([sys.executable, "-c", STARTUP_SCRIPT], None)
     commands["hash"] = (measure.hash_cmd(old, new), lambda: measure.warm(old, new))
     timed = measure.in_turn(args.rounds, commands, timeout=args.pulsectl_timeout)
-    dest.unlink(missing_ok=True)
+    clear_outputs()
     if "apply" in timed:
-        default["apply_exact"] = default["apply_exact"] and same_bytes(out, new)
-    out.unlink(missing_ok=True)
+        default["apply_exact"] = default["apply_exact"] and exact[0]
     for name in ("diff", "apply"):
         if name in timed:
             default[name] = timed[name]

@@ -101,6 +101,29 @@ def test_report_leaves_out_ratios_to_a_slowed_reference(monkeypatch: pytest.Monk
     assert report._verdict([None], 1.5, unjudged=1) == "not measured (1 not judged ‡)"
 
 
+def test_a_miss_against_a_slowed_reference_is_still_judged(monkeypatch: pytest.MonkeyPatch):
+    """The slowed reference flatters a ratio: a pass against it is left out, but a ratio that
+    misses even so is a miss for certain, and was hidden as 'not judged'."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import report
+
+    def rec(apply_s: float) -> dict:
+        return {
+            "changed": 100,
+            "largest_tensor_bytes": 10,
+            "v31": {"bytes": 300, "encode_s": 1.0},
+            "entropy": {"given_base_total": 1.0},
+            "pulsectl": {"default": {"bytes": 120, "apply": {"wall_s": apply_s,
+                                                             "max_rss_bytes": 1}}},
+            "cp": {"wall_s": 1.0},
+            "compare": {"wall_s": 1.0},
+        }  # fmt: skip
+
+    slow = {"cp": 3.0}
+    assert "apply_vs_cp" in report.derived(rec(1.2), slow)["unjudged"]  # passes: left out
+    assert "apply_vs_cp" not in report.derived(rec(8.6), slow)["unjudged"]  # misses: judged
+
+
 def test_gpu_benchmark_harness_runs_and_checks_on_the_host(tmp_path: Path) -> None:
     """benchmarks/gpu.py, as it runs without a GPU (``--cpu`` on a machine with one): the
     reference rows, their checks and the JSON."""
