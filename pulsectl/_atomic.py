@@ -587,6 +587,13 @@ def _umask() -> int:
     return mask
 
 
+def error_of_output(exc: PulseError, out: Path) -> OutputError:
+    """``exc``, which names a temp written for ``out`` (removed by now), as ``out``'s error:
+    OUT is the name the user knows."""
+    reason = exc.message.removeprefix(f"{exc.path}: ")
+    return OutputError(f"{out}: {reason}", path=out)
+
+
 def commit_outputs(writes: Sequence[tuple[Path, Callable[[Path], Any]]]) -> list[Any]:
     """Outputs that are one result (a LoCo patch and its residual, the block patches of one
     update): ``write(tmp)`` writes each to a temp file beside it, then all are moved into
@@ -605,8 +612,7 @@ def commit_outputs(writes: Sequence[tuple[Path, Callable[[Path], Any]]]) -> list
             except PulseError as exc:
                 if exc.path is None or Path(exc.path).parent != target.parent:
                     raise
-                reason = exc.message.removeprefix(f"{exc.path}: ")
-                raise OutputError(f"{target}: {reason}", path=target) from None
+                raise error_of_output(exc, target) from None
         # All of them or, on an error, the first ones: never one without the others because
         # an interrupt came between them.
         with interrupts_deferred():

@@ -309,13 +309,8 @@ def state_dict_fingerprint(
     state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> str:
     """The fingerprint `pulsectl hash` would print for the saved state dict."""
-    source = StateDictSource(state, metadata)
-    h = new_hasher()
-    h.update(len(source.header.raw).to_bytes(8, "little") + source.header.raw)
-    for info in source.header.tensors:
-        for off in range(0, info.nbytes, _HASH_CHUNK):
-            h.update(source.read(0, info.start + off, min(_HASH_CHUNK, info.nbytes - off)))
-    return h.hexdigest()
+    # StateDictSource checks the entries, builds the header and waits for queued work.
+    return _fingerprint_as(state, StateDictSource(state, metadata).header)
 
 
 @dataclass

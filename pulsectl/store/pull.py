@@ -23,6 +23,7 @@ from pulsectl._atomic import (
     TEMP_MARK,
     check_folder_target,
     check_target,
+    error_of_output,
     file_path,
     install,
     is_empty_folder,
@@ -210,11 +211,9 @@ def pull(
     except OutputError as exc:
         # A full disk while fetching or rebuilding: the file named is a temp of the work
         # folder, which is removed below; OUT is what the user knows.
-        where = exc.path
-        if where is None or not Path(where).is_relative_to(work):
+        if exc.path is None or not Path(exc.path).is_relative_to(work):
             raise
-        reason = exc.message.removeprefix(f"{where}: ")
-        raise OutputError(f"{out}: {reason}", path=out) from None
+        raise error_of_output(exc, out) from None
     finally:
         remove(work)
     start = (
