@@ -67,7 +67,8 @@ def compress_plane(data: bytes | memoryview | np.ndarray, level: int) -> bytes:
 
 def decompress(data: bytes | memoryview, size: int, *, at_most: bool = False) -> bytes:
     """Decompress one frame that must hold exactly ``size`` bytes (with ``at_most``: any number
-    up to ``size``, as its header says)."""
+    up to ``size``, as its header says) and be all of ``data``: bytes after it, a second frame
+    among them, are damage (docs/FORMAT.md), not something to skip."""
     dctx = getattr(_local, "dctx", None)
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
@@ -79,7 +80,7 @@ def decompress(data: bytes | memoryview, size: int, *, at_most: bool = False) ->
             raise CorruptPatchError(
                 f"zstd frame holds {params.content_size} bytes, expected {size}"
             )
-        out = dctx.decompress(data, max_output_size=size)
+        out = dctx.decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptPatchError(f"damaged zstd data: {exc}") from exc
     if len(out) != size:

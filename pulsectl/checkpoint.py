@@ -385,6 +385,14 @@ def _walk(root: Path, rel: tuple[str, ...], out: list[tuple[str, Path]]) -> None
                 "folder checkpoint's fingerprint lists its files one per line: rename it",
                 path=path,
             )
+        if "\\" in entry.name:
+            # FORMAT.md: a patch's paths hold no backslash (it separates folders elsewhere), and
+            # every reader refuses one: a patch of this folder could never be applied.
+            raise InputError(
+                f"{path}: file name holds a backslash; a folder checkpoint's paths "
+                "must not (patches record them, and readers refuse them): rename it",
+                path=path,
+            )
         if entry.is_symlink():
             if path.is_file():
                 out.append(("/".join(parts), path))

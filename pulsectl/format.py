@@ -359,7 +359,11 @@ def _load_json(body: bytes, name: str, what: str) -> dict[str, Any]:
     if not 0 < size <= MAX_JSON_BYTES:
         raise CorruptPatchError(f"{name}: {what} claims {size} bytes of JSON", path=name)
     try:
-        obj = json.loads(_zstd.decompress(body, size).decode("utf-8"))
+        text = _zstd.decompress(body, size)
+    except CorruptPatchError as exc:
+        raise CorruptPatchError(f"{name}: {what} is damaged ({exc})", path=name) from exc
+    try:
+        obj = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # ValueError: bad JSON, or an integer of more than 4300 digits; RecursionError: nesting.
         raise CorruptPatchError(f"{name}: {what} is not valid JSON ({exc})", path=name) from exc

@@ -15,8 +15,9 @@ written in each function's docstring, so results are reproducible bit for bit on
 
 A sparse update travels as a .pulse patch (pulsectl.format): the patch from the *all-zero*
 checkpoint of the same F32 tensors to the dense checkpoint holding the sent values (+0.0
-elsewhere), coded with the ordinary block codecs; against a zero base, codec 3 stores each sent
-position and the value's FP32 bit pattern. A ``loco`` header field marks it (docs/FORMAT.md).
+elsewhere), coded with the ordinary block codecs, chosen as ``diff`` chooses them; against a zero
+base, a delta codec (5 or 6 for a sparse update) stores each sent position and the value's FP32
+bit pattern. A ``loco`` header field marks it (docs/FORMAT.md).
 So ``pulsectl inspect`` reads it as is, and ``pulsectl apply ZEROS PATCH`` densifies it.
 """
 

@@ -106,6 +106,27 @@ def test_a_newline_in_a_folder_checkpoints_file_name_is_refused(
     assert paths_problem(["a b.safetensors"], "dir") is None
 
 
+def test_a_backslash_in_a_folder_checkpoints_file_name_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FORMAT.md forbids `\\` in a patch's paths and every reader refuses one: diff used to
+    write such a patch (exit 0) that apply then refused as damaged (exit 3)."""
+    chain = generate_chain(tmp_path / "c", "tiny", steps=1, lr=1e-3, seed=2, shards=2)
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(chain[0], old)
+    shutil.copytree(chain[1], new)
+    for folder in (old, new):
+        (folder / "notes\\v1.txt").write_text("x")
+    for argv in (["hash", str(new)], ["diff", str(old), str(new), "-o", str(tmp_path / "p")]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "notes\\v1.txt: file name holds a backslash" in err, err
+    assert not (tmp_path / "p").exists()
+    (new / "notes\\v1.txt").unlink()
+    (old / "notes\\v1.txt").unlink()
+    assert main(["-q", "diff", str(old), str(new), "-o", str(tmp_path / "p")]) == 0
+
+
 def test_hash_prints_each_path_as_given(
     pair: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

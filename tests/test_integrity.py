@@ -5,16 +5,36 @@ from __future__ import annotations
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import xxhash
+import zstandard
 from conftest import tree_bytes
 from safetensors.torch import save_file
 
+from pulsectl import format as format_module
 from pulsectl.cli.app import main
-from pulsectl.codecs import CODEC_STORE
-from pulsectl.format import BLOCK_CHECK, BLOCK_HEAD, FOOTER, FRAME_HEAD
+from pulsectl.codecs import (
+    CODEC_CONTEXT,
+    CODEC_CONTEXT_PAIRED,
+    CODEC_DELTA,
+    CODEC_RICE,
+    CODEC_RICE_PAIRED,
+    CODEC_STORE,
+    CODEC_ZSTD,
+)
+from pulsectl.format import (
+    BLOCK_CHECK,
+    BLOCK_HEAD,
+    FOOTER,
+    FRAME_HEAD,
+    PatchReader,
+    PatchWriter,
+    blocks_in,
+)
 from pulsectl.info import read_patch_info
 
 
@@ -456,3 +476,165 @@ def test_bf16_patch_and_fp8_cast_mixed_up_name_the_fix(
     )
     assert not out.exists()
     assert main(["-q", "apply", str(anchor), str(cast), "-o", str(out)]) == 0
+
+
+GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
+
+
+def _rewrite(src: Path, dst: Path, block: Any = None) -> None:
+    """Copy patch ``src`` to ``dst`` through pulsectl's own reader and writer, every checksum
+    and offset recomputed; ``block(codec, payload)`` may give a block new bytes."""
+    with src.open("rb") as f:
+        reader = PatchReader(f, str(src))
+        step = reader.header["block_bytes"]
+        blocks = []
+        for index, item in enumerate(reader.header["items"]):
+            nblocks = blocks_in(item["nbytes"], step)
+            reader.read_frame(index, nblocks)
+            blocks.append([reader.read_block(step + 4096, "x") for _ in range(nblocks)])
+        trailer = {k: v for k, v in reader.read_trailer().items() if k != "frames"}
+    with dst.open("wb") as f:
+        writer = PatchWriter(f, reader.header)
+        for index, frame in enumerate(blocks):
+            writer.begin_frame(index, len(frame))
+            for b in frame:
+                writer.add_block(b.codec, block(b.codec, b.payload) if block else b.payload)
+        writer.finish(trailer)
+
+
+def _longer_last_plane(payload: bytes) -> bytes:
+    """A codec 3 payload whose last stored plane has a byte after its zstd frame."""
+    count, gap_bytes, word, _ = struct.unpack_from("<IBBH", payload)
+    nplanes = gap_bytes + word
+    sizes = list(struct.unpack_from(f"<{nplanes}I", payload, 8))
+    at = 8 + 4 * nplanes
+    planes = []
+    for size in sizes:
+        planes.append(payload[at : at + size])
+        at += size
+    last = max(p for p, size in enumerate(sizes) if size)
+    planes[last] += b"\0"
+    sizes[last] += 1
+    head = struct.pack("<IBBH", count, gap_bytes, word, 0) + struct.pack(f"<{nplanes}I", *sizes)
+    return head + b"".join(planes)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["header", "codec 2 payload", "codec 3 value plane", "header, a second frame"],
+)
+def test_bytes_after_a_zstd_frame_are_damage(
+    where: str, tmp_path: Path, capsys: Capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FORMAT.md: each is one zstd frame. Bytes after it (another frame too) are refused as
+    damage, as a strict reader written from the document refuses them; they used to be
+    skipped. The same patch rewritten without them applies (the rewrite is sound)."""
+    src = GOLDEN / ("codec3/single.pulse" if "codec 3" in where else "single.pulse")
+    base, target = GOLDEN / "single_base.safetensors", GOLDEN / "single_target.safetensors"
+    out = tmp_path / "out"
+    out.mkdir()
+    control = tmp_path / "control.pulse"
+    _rewrite(src, control)
+    assert main(["-q", "apply", str(base), str(control), "-o", str(out / "t")]) == 0
+    assert (out / "t").read_bytes() == target.read_bytes()
+    (out / "t").unlink()
+
+    bad = tmp_path / "bad.pulse"
+    if where.startswith("header"):
+        extra = b"\0\0\0\0" if where == "header" else zstandard.ZstdCompressor().compress(b"{}")
+        real = format_module._pack_json
+        monkeypatch.setattr(
+            format_module,
+            "_pack_json",
+            lambda obj: real(obj) + extra if "layout" in obj else real(obj),
+        )
+        _rewrite(src, bad)
+        monkeypatch.undo()
+        what = "header is damaged"
+    elif where == "codec 2 payload":
+        _rewrite(src, bad, lambda codec, p: p + b"\0" if codec == CODEC_ZSTD else p)
+        what = "damaged zstd data"
+    else:
+        _rewrite(src, bad, lambda codec, p: _longer_last_plane(p) if codec == CODEC_DELTA else p)
+        what = "damaged zstd data"
+    msg = _fails(capsys, ["apply", str(base), str(bad), "-o", str(out / "t")], 3, out, [base])
+    assert "bad.pulse" in msg and what in msg and "unused data" in msg, msg
+
+
+def _rice_parts(codec: int, payload: bytes) -> tuple[bytes, bytes, bytes, list[bytes], int]:
+    """A codec 4-7 payload as (its fields before the unary stream, the unary stream, the
+    remainder stream, the planes' data, the remainder bits used)."""
+    count, word = struct.unpack_from("<IB", payload)
+    if codec in (CODEC_RICE, CODEC_RICE_PAIRED):
+        at, bits = 8, count * payload[5]
+    else:
+        ncontexts = struct.unpack_from("<H", payload, 8)[0]
+        (table_bytes,) = struct.unpack_from("<I", payload, 12)
+        table = zstandard.ZstdDecompressor().decompress(payload[16 : 16 + table_bytes])
+        ks = np.frombuffer(table, np.uint8, ncontexts, 2 * ncontexts)
+        changes = np.frombuffer(table, "<u4", ncontexts, 3 * ncontexts)
+        at, bits = 16 + table_bytes, int((ks.astype(np.int64) * changes).sum())
+    fields = payload[:at]
+    streams = []
+    for _ in range(2):
+        (size,) = struct.unpack_from("<I", payload, at)
+        streams.append(payload[at + 4 : at + 4 + size])
+        at += 4 + size
+    sizes = struct.unpack_from(f"<{word}I", payload, at)
+    at += 4 * word
+    planes = []
+    for size in sizes:
+        planes.append(payload[at : at + size])
+        at += size
+    return fields, streams[0], streams[1], planes, bits
+
+
+def _rice_join(fields: bytes, unary: bytes, remainder: bytes, planes: list[bytes]) -> bytes:
+    parts = [fields, struct.pack("<I", len(unary)), unary, struct.pack("<I", len(remainder))]
+    parts += [remainder, struct.pack(f"<{len(planes)}I", *map(len, planes)), *planes]
+    return b"".join(parts)
+
+
+def _not_canonical(how: str, codec: int, payload: bytes) -> bytes:
+    if codec not in (CODEC_CONTEXT, CODEC_RICE, CODEC_RICE_PAIRED, CODEC_CONTEXT_PAIRED):
+        return payload
+    fields, unary, remainder, planes, bits = _rice_parts(codec, payload)
+    assert _rice_join(fields, unary, remainder, planes) == payload
+    count = struct.unpack_from("<I", payload)[0]
+    if how == "bytes after the last unary code":
+        unary += b"\xff\x00"
+    elif how == "remainder padding bits set":
+        pad = 8 * len(remainder) - bits
+        assert 0 <= pad < 8
+        remainder = remainder[:-1] + bytes([remainder[-1] | ((1 << pad) - 1)]) if pad else remainder
+    else:  # an all-zero plane stored as a frame
+        planes = [p or zstandard.ZstdCompressor().compress(bytes(count)) for p in planes]
+    return _rice_join(fields, unary, remainder, planes)
+
+
+@pytest.mark.parametrize(
+    "patch", ["json19/single.pulse", "single.pulse", "json19/single_max.pulse", "single_max.pulse"]
+)
+@pytest.mark.parametrize(
+    "how",
+    ["bytes after the last unary code", "remainder padding bits set", "a zero plane as a frame"],
+)
+def test_payloads_writers_would_not_write_still_decode(
+    patch: str, how: str, tmp_path: Path
+) -> None:
+    """FORMAT.md's writer-only rules (a zero plane has size 0, 0-bit padding, nothing after the
+    unary codes) do not bind readers: such a payload still has one meaning, and apply gives
+    the exact target from it, for codecs 5, 6 (json19/single, single) and 4, 7 (the _max)."""
+    base, target = GOLDEN / "single_base.safetensors", GOLDEN / "single_target.safetensors"
+    odd = tmp_path / "odd.pulse"
+    seen: list[bool] = []
+
+    def change(codec: int, payload: bytes) -> bytes:
+        new = _not_canonical(how, codec, payload)
+        seen.append(new != payload)
+        return new
+
+    _rewrite(GOLDEN / patch, odd, change)
+    assert any(seen), "the golden patch has no block this rewrite changes"
+    assert main(["-q", "apply", str(base), str(odd), "-o", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t").read_bytes() == target.read_bytes()
