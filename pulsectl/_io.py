@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 import time
@@ -9,7 +10,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from queue import Empty, Queue
+from queue import Empty, SimpleQueue
 from typing import Any, TypeVar
 
 import numpy as np
@@ -141,6 +142,44 @@ def window_for(workers: int, block_bytes: int) -> int:
     return max(2, min(2 * workers + 2, IN_FLIGHT_BYTES // (3 * block_bytes)))
 
 
+class _Slot:
+    """Where a pool task leaves its result, and a C-level lock, held until it is there.
+
+    The main thread waits on these rather than on ``Future.result``: an interrupt
+    (KeyboardInterrupt, raised in the main thread by SIGINT and by pulsectl's SIGTERM handler)
+    that lands inside ``threading.Condition``'s Python code can leave the condition's lock in a
+    wrong state, and the next wait on it, in the clean-up, or a worker's, then hangs for good
+    (seen: ``apply`` interrupted hung in one try in 1-9). A ``_thread.lock``'s acquire is one C
+    call: an interrupt makes it raise without taking the lock, and leaves nothing half done.
+    """
+
+    __slots__ = ("done", "value", "error")
+
+    def __init__(self) -> None:
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+def _run_into(task: Callable[[], Any], slot: _Slot) -> None:
+    try:
+        slot.value = task()
+    except BaseException as exc:  # handed to the waiting thread, as Future.result would
+        slot.error = exc
+    finally:
+        slot.done.release()
+
+
+def _result(slot: _Slot) -> Any:
+    slot.done.acquire()
+    slot.done.release()
+    if slot.error is not None:
+        error, slot.error = slot.error, None  # no reference cycle through the traceback
+        raise error
+    return slot.value
+
+
 def ordered_map(
     tasks: Iterable[Callable[[], T]], workers: int, window: int | None = None
 ) -> Generator[T, None, None]:
@@ -154,17 +193,18 @@ def ordered_map(
         for task in tasks:
             yield task()
         return
-    pending: deque[Future[T]] = deque()
+    pending: deque[tuple[Future[None], _Slot]] = deque()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pulsectl") as pool:
         try:
             for task in tasks:
-                pending.append(pool.submit(task))
+                slot = _Slot()
+                pending.append((pool.submit(_run_into, task, slot), slot))
                 if len(pending) >= window:
-                    yield pending.popleft().result()
+                    yield _result(pending.popleft()[1])
             while pending:
-                yield pending.popleft().result()
+                yield _result(pending.popleft()[1])
         finally:
-            for future in pending:
+            for future, _ in pending:
                 future.cancel()
 
 
@@ -186,21 +226,30 @@ def overlapped_map(
     decoding on the pool and the caller's writing all run at once, with at most ``window``
     tasks in flight. An error raised while producing tasks comes out in order, after the
     results of the tasks before it.
+
+    The two threads meet only in ``SimpleQueue``s (C code: an interrupt cannot leave one half
+    updated, see ``_Slot``): submitted tasks go one way, and room for the next (``window``
+    tokens) comes back the other.
     """
     window = window or 2 * workers + 2
-    queue: Queue[Any] = Queue(maxsize=window)
-    stop = threading.Event()
+    submitted: SimpleQueue[Any] = SimpleQueue()
+    room: SimpleQueue[None] = SimpleQueue()
+    for _ in range(window):
+        room.put(None)
+    stopped: list[bool] = []  # non-empty once the consumer has stopped; read without a lock
 
     def produce(pool: ThreadPoolExecutor) -> None:
         try:
             for task in tasks:
-                if stop.is_set():
+                room.get()
+                if stopped:
                     return
-                queue.put(pool.submit(task))
+                slot = _Slot()
+                submitted.put((pool.submit(_run_into, task, slot), slot))
         except BaseException as exc:  # handed to the consumer, in order
-            queue.put(_Failed(exc))
+            submitted.put(_Failed(exc))
         finally:
-            queue.put(_END)
+            submitted.put(_END)
 
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="pulsectl") as pool:
         producer = threading.Thread(
@@ -209,25 +258,26 @@ def overlapped_map(
         producer.start()
         try:
             while True:
-                item = queue.get()
+                item = submitted.get()
                 if item is _END:
                     break
                 if isinstance(item, _Failed):
                     raise item.exc
-                yield item.result()
+                room.put(None)
+                yield _result(item[1])
         finally:
-            stop.set()
-            # Unblock a producer waiting on a full queue; it stops at its next task. One
-            # blocked reading a stalled pipe is left behind (a daemon): giving up after a
-            # moment keeps an error from waiting on the link.
+            stopped.append(True)
+            room.put(None)  # a producer waiting for room wakes up, and stops
+            # Cancel what it had submitted. One blocked reading a stalled pipe is left behind
+            # (a daemon): giving up after a moment keeps an error from waiting on the link.
             deadline = time.monotonic() + _PRODUCER_GRACE_S
             while producer.is_alive() and time.monotonic() < deadline:
                 try:
-                    item = queue.get(timeout=0.05)
+                    item = submitted.get(timeout=0.05)
                 except Empty:
                     continue
-                if isinstance(item, Future):
-                    item.cancel()
+                if isinstance(item, tuple):
+                    item[0].cancel()
             # Tasks not started are dropped; the caller's files stay open until those running
             # have finished (the pool's exit waits for them).
             pool.shutdown(wait=True, cancel_futures=True)

@@ -13,8 +13,22 @@ from collections.abc import Callable
 EXIT_PIPE = 141  # pulsectl.errors.EXIT_PIPE, not imported here: this module loads first
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
+# The signals that interrupted this run. Python can swallow the KeyboardInterrupt a handler
+# raises (raised inside a weakref callback, as importlib's module locks have, it is only
+# printed as "Exception ignored"), and the command would then go on as if never interrupted;
+# this list still tells.
+_signalled: list[int] = []
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _signalled.append(signum)
     raise KeyboardInterrupt
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    """Once the command is over: a signal changes nothing left to do, so it is only noted (a
+    KeyboardInterrupt then would end the exit itself with a traceback)."""
+    _signalled.append(signum)
 
 
 def _keep_freed_memory() -> None:
@@ -76,25 +90,37 @@ def _hold_standard_fds() -> None:
 
 
 def run() -> None:
-    _hold_standard_fds()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        signal.signal(signal.SIGHUP, _on_sigterm)  # a closed terminal: as SIGTERM (not nohup)
-    _keep_freed_memory()
-    _quiet_blas()
     try:
+        _hold_standard_fds()
+        signal.signal(signal.SIGTERM, _on_signal)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored (`&`)
+            signal.signal(signal.SIGINT, _on_signal)
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, _on_signal)  # a closed terminal: as SIGTERM (not nohup)
+        _keep_freed_memory()
+        _quiet_blas()
         # Before the heavy imports: a child hashes the input files meanwhile (pulsectl._prehash).
         from pulsectl import _prehash
 
         _prehash.start(sys.argv[1:])
         from pulsectl.cli.app import main
     except KeyboardInterrupt:
+        _signalled.append(0)
+    if _signalled:  # also one that Python swallowed while the CLI loaded
         sys.stderr.write("pulsectl: error: interrupted; no output was written\n")
         sys.exit(130)
     # The modules just loaded live as long as the process: keep the cyclic garbage collector
     # from walking them again at each collection (perf: ~2% of a 1 GB diff).
     gc.freeze()
     code = main()
+    for signum in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+        if signum is not None and signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, _note_signal)
+    if code == 0 and _signalled:
+        # The interrupt came, but whatever it hit swallowed it and the command ran to its end:
+        # its output is complete, and the caller still learns that it asked for a stop.
+        sys.stderr.write("pulsectl: error: interrupted after the command had finished\n")
+        code = 130
     if code == EXIT_PIPE:
         _die_of_sigpipe(_prehash.stop)
     sys.exit(code)
