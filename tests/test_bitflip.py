@@ -68,28 +68,29 @@ def test_every_single_bit_flip_is_detected(
 
 
 @pytest.mark.parametrize(
-    ("offset", "error"),
+    ("offset", "error", "match"),
     [
-        (0, FormatError),  # magic: not a patch
-        (8, FormatError),  # version: not supported
-        (10, CorruptPatchError),  # flags
-        (12, CorruptPatchError),  # header length
-        (16, CorruptPatchError),  # header checksum
-        (30, CorruptPatchError),  # header body
-        (-30, CorruptPatchError),  # trailer
-        (-20, CorruptPatchError),  # file checksum
-        (-1, CorruptPatchError),  # END_MAGIC
+        (0, FormatError, "not a .pulse patch"),  # magic
+        (8, FormatError, "version 17 is not supported"),  # version
+        (10, CorruptPatchError, "unknown preamble flags"),  # flags
+        (12, CorruptPatchError, None),  # header length
+        (16, CorruptPatchError, "header checksum mismatch"),  # header checksum
+        (30, CorruptPatchError, "header checksum mismatch"),  # header body
+        (-30, CorruptPatchError, None),  # trailer
+        (-20, CorruptPatchError, "file checksum mismatch"),  # file checksum
+        (-1, CorruptPatchError, "file checksum mismatch"),  # END_MAGIC
     ],
 )
 def test_flip_error_classes(
-    small: tuple[Path, Path, bytes], offset: int, error: type[PulseError]
+    small: tuple[Path, Path, bytes], offset: int, error: type[PulseError], match: str | None
 ) -> None:
-    """Where a flip lands decides the error: damage exits 3, a foreign file or version exits 1."""
+    """Where a flip lands decides the error: damage exits 3, a foreign file or version exits 1;
+    a field's own check names it, before the file checksum at the end would catch the flip."""
     base, _, patch = small
     flipped = bytearray(patch)
     flipped[offset] ^= 0x10
     out = base.parent / "out"
-    with pytest.raises(error) as info:
+    with pytest.raises(error, match=match) as info:
         apply_patches(base, [io.BytesIO(bytes(flipped))], out, workers=1)
     assert isinstance(info.value, IntegrityError) == (error is CorruptPatchError)
     assert not out.exists()

@@ -443,20 +443,33 @@ def _added(old: np.ndarray, at: np.ndarray, moves: np.ndarray, word: int) -> np.
 
 @needs_native
 def test_cli_writes_the_same_patch_without_the_extension(tmp_path: Path, chain: list[Path]):
-    """End to end through the CLI: PULSECTL_PURE_PYTHON=1 (numpy) and PULSECTL_NO_AVX512=1 (the
-    portable C loops) give the same patch bytes."""
+    """End to end through the CLI: PULSECTL_PURE_PYTHON=1 (numpy) and PULSECTL_SIMD=portable (the
+    portable C loops, not AVX2 where the CPU has it) give the same patch bytes."""
     base, target = chain[0], chain[-1]
     patches = []
     for pure in ("0", "1", "portable"):
         out = tmp_path / f"p{pure}.pulse"
-        env = {**os.environ, "PULSECTL_PURE_PYTHON": "1" if pure == "1" else "0"}
-        env["PULSECTL_NO_AVX512"] = "1" if pure == "portable" else "0"
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("PULSECTL_SIMD", "PULSECTL_NO_AVX512")
+        }
+        env["PULSECTL_PURE_PYTHON"] = "1" if pure == "1" else "0"
+        if pure == "portable":
+            env["PULSECTL_SIMD"] = "portable"
         subprocess.run(
             [sys.executable, "-m", "pulsectl", "diff", str(base), str(target), "-o", str(out)],
             check=True,
             env=env,
             capture_output=True,
         )
+        if pure == "portable":  # the run really used the portable loops
+            version = subprocess.run(
+                [sys.executable, "-m", "pulsectl", "--version"],
+                check=True,
+                env=env,
+                capture_output=True,
+                text=True,
+            ).stdout
+            assert "compiled, portable" in version, version
         patches.append(out.read_bytes())
         restored = tmp_path / f"r{pure}.safetensors"
         subprocess.run(
