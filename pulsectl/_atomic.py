@@ -33,12 +33,64 @@ INTERRUPTS = tuple(
 )
 
 
+# Outputs that ``check_target`` found absent and may not replace (no -f): if one is there by
+# the time the output is renamed into place, another process made it meanwhile (two runs with
+# the same -o), and it is not replaced either.
+_must_be_new: set[str] = set()
+
+
 def put_in_place(tmp: Path | str, path: Path) -> None:
     """Rename the finished ``tmp`` to ``path`` and record it (``pulsectl._placed``): an
-    interrupt comes before both or after both."""
+    interrupt comes before both or after both. An output checked as absent without -f is only
+    renamed where nothing has appeared at ``path`` since (OutputError otherwise)."""
+    key = os.path.abspath(path)
     with interrupts_deferred():
-        os.replace(tmp, path)
+        if key in _must_be_new:
+            if not _rename_new(Path(tmp), path):
+                raise OutputError(
+                    f"{path}: output exists (another run wrote it meanwhile); pass -f to "
+                    "overwrite (nothing was written)",
+                    path=path,
+                )
+            _must_be_new.discard(key)
+        else:
+            os.replace(tmp, path)
         _placed.record(path)
+
+
+_RENAME_NOREPLACE = 1
+
+
+def _rename_new(tmp: Path, path: Path) -> bool:
+    """Rename ``tmp`` to ``path`` where ``path`` does not exist; False, nothing done, where it
+    does. In one step with renameat2 (Linux), else by a hard link (files); else the check and
+    the rename are two steps."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is not None:
+        if (
+            renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(path), _RENAME_NOREPLACE)
+            == 0
+        ):
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(path))
+    if not tmp.is_dir():
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:
+            pass  # no hard links here
+        else:
+            os.unlink(tmp)
+            return True
+    if os.path.lexists(path):
+        return False
+    os.replace(tmp, path)
+    return True
 
 
 def check_target(path: Path, force: bool, what: str = "output") -> None:
@@ -63,6 +115,10 @@ def check_target(path: Path, force: bool, what: str = "output") -> None:
     empty_folder = mode is not None and stat.S_ISDIR(mode) and is_empty_folder(path)
     if mode is not None and not force and not empty_folder:
         raise OutputError(f"{path}: {what} exists; pass -f to overwrite", path=path)
+    if mode is None and not force and not os.path.islink(path):
+        _must_be_new.add(os.path.abspath(path))
+    else:
+        _must_be_new.discard(os.path.abspath(path))
     parent = path.parent
     if not parent.is_dir():
         raise missing_folder(path)
@@ -360,8 +416,8 @@ def install(tmp: Path, path: Path) -> None:
     the error.
     """
     if not (tmp.is_dir() and os.path.lexists(path)):
-        if not tmp.is_dir():
-            _take_mode(tmp, path, None)
+        if not tmp.is_dir():  # the replaced file's bits, else a new file's 0644 less the umask
+            keep_mode(tmp, path)
         put_in_place(tmp, path)
         return
     folder = path.is_dir() and not path.is_symlink()  # a link is replaced, not followed

@@ -29,6 +29,7 @@ from pulsectl._atomic import (
     atomic_file,
     check_file_target,
     file_path,
+    os_error,
     refuse_inside_folder_input,
     same_file,
 )
@@ -385,7 +386,11 @@ def _squash_with_base(
     # leaves, and how to remove it).
     near = out.parent if isinstance(out, Path) else None
     prefix = f".{out.name}{TEMP_MARK}squash-" if isinstance(out, Path) else "pulsectl-squash-"
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=near) as tmp:
+    try:
+        work = tempfile.TemporaryDirectory(prefix=prefix, dir=near)
+    except OSError as exc:  # a read-only or full folder
+        raise os_error(exc, out if isinstance(out, Path) else Path(tempfile.gettempdir())) from exc
+    with work as tmp:
         target = Path(tmp) / "target"
         apply_patches(base, list(patches), target)
         if isinstance(out, Path):

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from conftest import tree_bytes
 
+from pulsectl import _atomic
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import save_safetensors
 from pulsectl.cli.app import main
@@ -449,3 +450,69 @@ def test_apply_never_writes_its_checkpoint_over_one_of_its_patches(
             "even with -f: write the output elsewhere"
         )
     assert p.read_bytes() == patch
+
+
+def test_a_new_file_gets_0644_less_the_umask_from_every_command(
+    chain: list[Path], tmp_path: Path
+) -> None:
+    """GUARANTEES.md: under umask 000 too (the tests' usual 022 gives 0644 either way): apply
+    created its output with open's 0666, so under 000 it was world-writable."""
+    patch = tmp_path / "p.pulse"
+    store = tmp_path / "store"
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch)]) == 0
+    assert main(["-q", "publish", str(store), str(chain[0])]) == 0
+    commands = {
+        "diff": ["diff", str(chain[0]), str(chain[1])],
+        "apply": ["apply", str(chain[0]), str(patch)],
+        "squash": ["squash", str(patch)],
+        "cast": ["cast", str(chain[0]), "--to", "f16"],
+        "pull": ["pull", str(store)],
+    }
+    old = os.umask(0)
+    try:
+        for name, argv in commands.items():
+            out = tmp_path / f"{name}.out"
+            assert main(["-q", *argv, "-o", str(out)]) == 0, name
+            assert stat.S_IMODE(out.stat().st_mode) == 0o644, name
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("command", ["diff", "apply", "squash", "cast"])
+def test_an_output_another_run_wrote_meanwhile_is_not_replaced_without_f(
+    command: str,
+    chain: list[Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two runs with the same -o and no -f: both found OUT absent when they started, and the
+    second to finish replaced the first one's output, both exit 0. Now the output is renamed
+    into place only where nothing is there yet (renameat2 RENAME_NOREPLACE); with -f it is
+    replaced as asked."""
+    patch = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch)]) == 0
+    argv = {
+        "diff": ["diff", str(chain[0]), str(chain[1])],
+        "apply": ["apply", str(chain[0]), str(patch)],
+        "squash": ["squash", str(patch)],
+        "cast": ["cast", str(chain[0]), "--to", "f16"],
+    }[command]
+    out = tmp_path / "out"
+    real = _atomic.keep_mode
+
+    def other_run_finishes_first(tmp: Path, path: Path) -> None:
+        if path == out and not out.exists():
+            out.write_bytes(b"the other run's output")
+        real(tmp, path)
+
+    monkeypatch.setattr(_atomic, "keep_mode", other_run_finishes_first)
+    capsys.readouterr()
+    assert main([*argv, "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "output exists (another run wrote it meanwhile); pass -f" in err, err
+    assert out.read_bytes() == b"the other run's output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "p.pulse"]
+    out.unlink()
+    assert main(["-q", *argv, "-o", str(out), "-f"]) == 0
+    assert out.read_bytes() != b"the other run's output"
