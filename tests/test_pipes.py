@@ -241,6 +241,36 @@ def test_stdout_closed_or_full_is_one_line(ab: Path, redirect: str) -> None:
     assert (ab / "q").read_bytes() == (ab / "p").read_bytes()
 
 
+@pytest.mark.parametrize("redirect", [">&-", ">/dev/full"], ids=["closed", "full"])
+def test_stdout_that_fails_after_the_work_is_done_is_a_warning(ab: Path, redirect: str) -> None:
+    """publish, pull and loco's --json report on stdout what they have already done. When
+    stdout fails then, the step is published, the files are written: exit 1 would have a
+    caller that retries publish the step again (or feed a LoCo residual back twice), so the
+    failure is a warning that says what was done, shown under -q too, and the exit is 0."""
+
+    def warned(r: subprocess.CompletedProcess[bytes], done: str) -> None:
+        assert r.returncode == 0, r.stderr
+        text = r.stderr.decode()
+        assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+        assert text.startswith("pulsectl: warning: standard output"), text
+        assert text.strip().endswith(f"{done} all the same"), text
+
+    warned(
+        sh(f"pulsectl -q publish store a.safetensors {redirect}", ab),
+        "step 0 was published to store",
+    )
+    assert sh("pulsectl -q publish store b.safetensors", ab).returncode == 0
+    steps = json.loads(sh("pulsectl log store --json", ab).stdout)["steps"]
+    assert [s["step"] for s in steps] == [0, 1]  # published once each
+    warned(
+        sh(f"pulsectl -q pull store -o pulled.safetensors {redirect}", ab),
+        "pulled.safetensors was written",
+    )
+    assert (ab / "pulled.safetensors").read_bytes() == (ab / "b.safetensors").read_bytes()
+    r = sh(f"pulsectl log store --json {redirect}", ab)  # it reports, having done nothing
+    assert r.returncode == 1
+
+
 def test_closed_stderr_or_stdin_takes_no_output_with_it(ab: Path) -> None:
     """Started with stderr (or stdin) closed, a command runs as usual and its failures keep
     their exit codes. A closed descriptor 0-2 is the next one handed out: without care the

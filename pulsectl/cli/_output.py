@@ -35,6 +35,25 @@ class Output:
     def json(self, obj: Any) -> None:
         self.data(json.dumps(obj, indent=2, sort_keys=False))
 
+    def report(self, text: str, done: str) -> None:
+        """``data`` that reports a change already made (``done``: "step 7 was published to
+        STORE"). Where stdout cannot take it (full, closed, failing), the change stands and the
+        command still succeeds: a caller that retried on exit 1 would publish again, or feed a
+        residual back twice. So the failure is a warning naming what was done, shown under -q
+        too; exit 0. (A reader that went away, `| head`, still ends it as for any text.)"""
+        try:
+            self.data(text)
+        except OutputError as exc:
+            if isinstance(exc, ReaderGoneError):
+                raise
+            sys.stderr.write(f"pulsectl: warning: {exc.message}; {done} all the same\n")
+            accepted = getattr(sys.stdout, "accept_failure", None)
+            if accepted is not None:
+                accepted()
+
+    def report_json(self, obj: Any, done: str) -> None:
+        self.report(json.dumps(obj, indent=2, sort_keys=False), done)
+
     def error(self, exc: PulseError) -> None:
         """An error that ends one part of a command, not the command (one of several inputs):
         the line ``main`` prints for an error that ends it, with the traceback under -v."""
@@ -194,6 +213,11 @@ class GuardedStdout:
             self.stream.flush()
         except OSError as exc:
             raise self._failed(exc) from exc
+
+    def accept_failure(self) -> None:
+        """The caller has reported the failed write itself (``Output.report``): later writes
+        and the final flush go to /dev/null, where stdout now points, without raising it."""
+        self.failed = None
 
     def _check(self) -> None:
         # Once a write failed, every later one fails the same way: stdout now points at

@@ -64,7 +64,7 @@ def encode(
     summary = encode_files(global_, local, residual, output, visible=visible, force=force)
     doc = summary.to_json()
     if as_json:
-        out.json(doc)
+        out.report_json(doc, f"{output} and {residual} were written")
         return
     dense = smaller_than(summary.patch_bytes, doc["dense_bytes"], "dense FP32")
     out.info(
@@ -96,7 +96,7 @@ def reduce(
     out: Output = ctx.obj
     summary = reduce_files(patches, output, dense=dense, force=force)
     if as_json:
-        out.json(summary.to_json())
+        out.report_json(summary.to_json(), f"{output} was written")
         return
     out.info(
         f"averaged {counted(summary.trainers, 'pseudo-gradient')}: {summary.sent:,} of "

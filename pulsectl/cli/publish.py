@@ -94,6 +94,8 @@ def publish(
     )
     summary = publish_step(store, checkpoint, step=step, options=options, log=out.info)
     m = summary.manifest
-    out.data(f"{m.step} {m.kind} {m.target_fingerprint}")
+    out.report(
+        f"{m.step} {m.kind} {m.target_fingerprint}", f"step {m.step} was published to {store}"
+    )
     if summary.cache_problem:
         out.warn(summary.cache_problem)

@@ -60,7 +60,7 @@ def pull(
             f"from the {summary.start} and {counted(summary.patches, 'patch', 'patches')}, "
             f"{summary.fetched_bytes:,} bytes fetched, verified"
         )
-    out.data(f"{summary.step} {summary.fingerprint}")
+    out.report(f"{summary.step} {summary.fingerprint}", f"{summary.output} was written")
 
 
 def parse_step(text: str) -> int | None:
