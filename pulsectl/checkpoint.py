@@ -270,7 +270,8 @@ def parse_header(raw: bytes, file_size: int, path: str | Path = "<bytes>") -> Sa
         raise FormatError(f"{path}: header has duplicate key {e.key!r}", path=path) from None
     except json.JSONDecodeError as e:
         raise FormatError(
-            f"{path}: header is not valid JSON: {e.msg} at byte {e.pos}", path=path
+            f"{path}: header is not valid JSON: {e.msg.removesuffix(' at')} at byte {e.pos}",
+            path=path,
         ) from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise FormatError(f"{path}: header is not valid JSON: {e}", path=path) from None
