@@ -34,7 +34,15 @@ from pulsectl.codecs import (
 from pulsectl.codecs._bits import change_planes
 from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import CorruptPatchError, FormatError, IntegrityError
-from pulsectl.format import BLOCK_CHECK, BLOCK_HEAD, FOOTER, FRAME_HEAD
+from pulsectl.format import (
+    BLOCK_CHECK,
+    BLOCK_HEAD,
+    FOOTER,
+    FRAME_HEAD,
+    PatchReader,
+    PatchWriter,
+    blocks_in,
+)
 from pulsectl.info import read_patch_info
 from pulsectl.synth import generate_chain
 
@@ -217,3 +225,62 @@ def test_a_delta_payloads_reserved_field_must_be_zero(codec: int) -> None:
                 assert "header is damaged" in str(exc)
             else:
                 assert not in_place and work.tobytes() == old.tobytes()
+
+
+def test_each_container_check_names_its_own_damage(tmp_path: Path) -> None:
+    """Each field's check, with every checksum made to fit again, so that only that check can
+    refuse it: a block head's reserved bytes, a frame head's block count, the footer's trailer
+    offset, the trailer's frame index."""
+    base, good = _small_patch(tmp_path)
+    patch = tmp_path / "p.pulse"
+    frame = read_patch_info(patch).trailer.frames[0]
+    cases: dict[str, tuple[bytearray, str]] = {}
+
+    data = bytearray(good)  # a reserved byte of the block head, block checksum refitted
+    head = frame + FRAME_HEAD.size
+    codec, _, length = BLOCK_HEAD.unpack_from(data, head)
+    BLOCK_HEAD.pack_into(data, head, codec, b"\0\1\0", length)
+    block = bytes(data[head : head + BLOCK_HEAD.size + length])
+    BLOCK_CHECK.pack_into(data, head + BLOCK_HEAD.size + length, xxhash.xxh3_64_intdigest(block))
+    cases["block head"] = (data, "block head of .* is damaged")
+
+    data = bytearray(good)  # the frame says 2 blocks where the item has 1
+    tag, item, nblocks, reserved = FRAME_HEAD.unpack_from(data, frame)
+    FRAME_HEAD.pack_into(data, frame, tag, item, nblocks + 1, reserved)
+    cases["frame head"] = (data, "frame head at byte .* is damaged")
+
+    data = bytearray(good)  # the footer points 8 bytes before the trailer
+    at = len(data) - FOOTER.size
+    struct.pack_into("<Q", data, at, struct.unpack_from("<Q", data, at)[0] - 8)
+    cases["footer"] = (data, "file checksum mismatch")
+
+    for what, (damaged, match) in cases.items():
+        _reseal_file(damaged)
+        bad = tmp_path / "bad.pulse"
+        bad.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptPatchError, match=match):
+            apply_patches(base, [bad], tmp_path / "out")
+        assert not (tmp_path / "out").exists(), what
+
+    # The trailer's frame index, written wrong by a writer with every checksum right.
+    with patch.open("rb") as f:
+        reader = PatchReader(f, str(patch))
+        nblocks = [
+            blocks_in(i["nbytes"], reader.header["block_bytes"]) for i in reader.header["items"]
+        ]
+        blocks = []
+        for index, n in enumerate(nblocks):
+            reader.read_frame(index, n)
+            blocks.append([reader.read_block(1 << 24, "x") for _ in range(n)])
+        trailer = {k: v for k, v in reader.read_trailer().items() if k != "frames"}
+    bad = tmp_path / "bad.pulse"
+    with bad.open("wb") as f:
+        writer = PatchWriter(f, reader.header)
+        for index, frame_blocks in enumerate(blocks):
+            writer.begin_frame(index, len(frame_blocks))
+            for b in frame_blocks:
+                writer.add_block(b.codec, b.payload)
+        writer.frame_offsets[-1] += 1
+        writer.finish(trailer)
+    with pytest.raises(CorruptPatchError, match="trailer frame index is damaged"):
+        apply_patches(base, [bad], tmp_path / "out")
