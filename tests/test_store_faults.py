@@ -18,6 +18,7 @@ from _faultkit import tmpfs
 from conftest import TEMP_GLOB
 
 from pulsectl.cli.app import main
+from pulsectl.diff import DiffOptions
 from pulsectl.errors import InputError, OutputError
 from pulsectl.store import PublishOptions, publish, pull, read_log
 from pulsectl.store.base import ObjectExistsError
@@ -326,3 +327,36 @@ def test_pull_fsync_syncs_every_file_before_the_rename(
     shutil.rmtree(out)
     assert main(["pull", str(store), "-o", str(out), "-q"]) == 0
     assert synced == ["<rename>"]  # without --fsync: no sync
+
+
+def test_a_refused_publisher_cannot_replace_the_patch_the_winner_published(
+    chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two publishers of one step at different levels: the one that read the store first but
+    uploads last is refused at its manifest, but its patch went up first, and under the same
+    name (step and target fingerprint) it replaced the winner's: step 1 then no longer pulled
+    (a review's repro, folder and S3). A patch's name now holds its own fingerprint too."""
+    store = tmp_path / "store"
+    first = PublishOptions(cache_dir=tmp_path / "cache-a")
+    publish(store, chain[0], options=first)
+    shutil.copytree(tmp_path / "cache-a", tmp_path / "cache-b")
+    real = FolderStore.upload
+    winner: list[object] = []
+
+    def the_other_publisher_finishes_first(self: FolderStore, source: Path, key: str) -> None:
+        if key.startswith("patches/") and not winner:
+            monkeypatch.setattr(FolderStore, "upload", real)
+            fast = PublishOptions(cache_dir=tmp_path / "cache-b", diff=DiffOptions(level=1))
+            winner.append(publish(store, chain[1], step=1, options=fast))
+            monkeypatch.setattr(FolderStore, "upload", the_other_publisher_finishes_first)
+        real(self, source, key)
+
+    monkeypatch.setattr(FolderStore, "upload", the_other_publisher_finishes_first)
+    slow = PublishOptions(cache_dir=tmp_path / "cache-a", diff=DiffOptions(level=19))
+    with pytest.raises(ObjectExistsError, match="published by another publisher"):
+        publish(store, chain[1], step=1, options=slow)
+    assert winner
+    pulled = tmp_path / "pulled.safetensors"
+    pull(store, pulled, step=1)
+    assert pulled.read_bytes() == chain[1].read_bytes()
+    assert len(list((store / "patches").iterdir())) == 2  # the loser's is left for prune

@@ -27,8 +27,13 @@ def manifest_key(step: int) -> str:
     return f"{STEPS_PREFIX}{step:0{STEP_DIGITS}d}.json"
 
 
-def patch_key(step: int, target_fingerprint: str) -> str:
-    return f"{PATCHES_PREFIX}{_stem(step, target_fingerprint)}.pulse"
+def patch_key(step: int, target_fingerprint: str, patch_fingerprint: str) -> str:
+    """A patch's name also holds its own fingerprint's first digits: two publishers of one
+    step (another --level, another base) write different bytes, and under one name the
+    refused one would replace the patch the other published. (Names written before 2026-12-02 lack
+    it; readers take every name from the manifest, and old prunes still match the new ones.)"""
+    own = patch_fingerprint[:NAME_FINGERPRINT_DIGITS]
+    return f"{PATCHES_PREFIX}{_stem(step, target_fingerprint)}.{own}.pulse"
 
 
 def anchor_key(step: int, target_fingerprint: str, layout: str, relpath: str = "") -> str:

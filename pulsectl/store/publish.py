@@ -303,13 +303,9 @@ def _publish_step(
             )
         else:
             target_fp, target_bytes = summary.target_fingerprint, summary.target_bytes
+            own = fingerprint_file(patch_file)
             patch = PatchRef(
-                StoredFile(
-                    patch_key(step, target_fp),
-                    "",
-                    summary.patch_bytes,
-                    fingerprint_file(patch_file),
-                ),
+                StoredFile(patch_key(step, target_fp, own), "", summary.patch_bytes, own),
                 last.step,
                 last.target_fingerprint,
                 summary.changed_words,
@@ -327,7 +323,7 @@ def _publish_step(
             for r in refs
         )
     assert target_fp is not None
-    if patch is not None and patch.key != patch_key(step, target_fp):
+    if patch is not None and patch.key != patch_key(step, target_fp, patch.file.fingerprint):
         raise AssertionError("patch target differs from anchor target")
 
     manifest = StepManifest(
