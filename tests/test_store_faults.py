@@ -24,6 +24,7 @@ from pulsectl.store import PublishOptions, publish, pull, read_log
 from pulsectl.store.base import ObjectExistsError
 from pulsectl.store.folder import FolderStore
 from pulsectl.store.layout import manifest_key
+from pulsectl.store.prune import prune as prune_store
 from pulsectl.synth import generate_chain
 
 # The package's `publish` is the function; the module is patched in some tests.
@@ -360,3 +361,78 @@ def test_a_refused_publisher_cannot_replace_the_patch_the_winner_published(
     pull(store, pulled, step=1)
     assert pulled.read_bytes() == chain[1].read_bytes()
     assert len(list((store / "patches").iterdir())) == 2  # the loser's is left for prune
+
+
+def test_a_prune_stopped_part_way_leaves_only_steps_that_pull(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prune deleted the dropped steps' manifests oldest first: stopped after two, the steps
+    after them were listed as healthy and could not be rebuilt (their base was gone). It now
+    deletes them newest first, so what is left of them is always a chain back to an anchor."""
+    chain = generate_chain(tmp_path / "c", "tiny", steps=7, lr=3e-6, seed=8)
+    store = tmp_path / "store"
+    options = PublishOptions(cache_dir=tmp_path / "cache", anchor_every=4)
+    for ckpt in chain:
+        publish(store, ckpt, options=options)
+    real = FolderStore.delete
+
+    def stopped_after_two(self: FolderStore, keys: object) -> None:
+        real(self, list(keys)[:2])  # type: ignore[call-overload]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FolderStore, "delete", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        prune_store(store, keep_anchors=1, keep_steps=1)
+    monkeypatch.undo()
+    listed = [s[0] for s in steps_of(store)]
+    assert listed == [0, 1, 4, 5, 6, 7]  # 3 and 2 went first
+    for step in listed:
+        out = tmp_path / f"s{step}.safetensors"
+        pull(store, out, step=step)
+        assert out.read_bytes() == chain[step].read_bytes()
+
+
+def test_a_cache_copy_cut_short_gives_an_anchor_not_a_failure_at_every_publish(
+    chain: list[Path], tmp_path: Path
+) -> None:
+    """The cache's copy of the last step, truncated: every publish failed on it ('run past the
+    end of the data section'), retries too. Now the step is a full anchor that says why, and
+    the next one a patch again."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    options = PublishOptions(cache_dir=cache)
+    publish(store, chain[0], options=options)
+    head = cache / "head.safetensors"
+    assert head.exists()
+    with head.open("r+b") as f:
+        f.truncate(head.stat().st_size // 2)
+    summary = publish(store, chain[1], options=options)
+    assert summary.manifest.kind == "anchor"
+    assert "publish cache's copy of step 0 cannot be read" in summary.reason
+    assert publish(store, chain[2], options=options).manifest.kind == "patch"
+    for step in (1, 2):
+        out = tmp_path / f"s{step}.safetensors"
+        pull(store, out, step=step)
+        assert out.read_bytes() == chain[step].read_bytes()
+
+
+def test_a_step_below_one_published_meanwhile_is_refused(
+    chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publisher A at --step 2, publisher B at --step 3 finishing first: A's step 2 came after
+    step 3, its objects (older than the last step, unreferenced until its manifest) open to a
+    prune running meanwhile, which deleted them; A said 'published step 2', and step 2 could
+    not be pulled. A now checks for a later step before it writes its manifest."""
+    store = tmp_path / "store"
+    publish(store, chain[0], options=PublishOptions(cache_dir=tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    real = FolderStore.upload
+
+    def b_finishes_first(self: FolderStore, source: Path, key: str) -> None:
+        monkeypatch.setattr(FolderStore, "upload", real)
+        publish(store, chain[2], step=3, options=PublishOptions(cache_dir=tmp_path / "b"))
+        real(self, source, key)
+
+    monkeypatch.setattr(FolderStore, "upload", b_finishes_first)
+    with pytest.raises(ObjectExistsError, match="step 3 was published by another publisher"):
+        publish(store, chain[1], step=2, options=PublishOptions(cache_dir=tmp_path / "a"))
+    assert [s[0] for s in steps_of(store)] == [0, 3]

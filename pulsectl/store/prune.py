@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pulsectl import _placed
 from pulsectl.errors import UsageError
 from pulsectl.store.base import Store, open_store
 from pulsectl.store.catalog import Catalog
@@ -78,7 +79,14 @@ def prune(
     store = store if isinstance(store, Store) else open_store(store)
     plan = plan_prune(store, keep_anchors, keep_steps)
     if not dry_run and plan.deletions:
-        manifests = [k for k, _ in plan.deletions if k.startswith("steps/")]
+        # Newest first: a prune stopped part-way leaves a prefix of the dropped steps, each
+        # still on its chain back to its anchor (oldest first left steps whose base was gone,
+        # which log showed as healthy and pull could not rebuild).
+        manifests = sorted((k for k, _ in plan.deletions if k.startswith("steps/")), reverse=True)
+        _placed.done(
+            f"while prune was deleting steps of {store.url} (the steps left are whole: run "
+            "prune again to finish)"
+        )
         store.delete(manifests)
         store.delete(k for k, _ in plan.deletions if not k.startswith("steps/"))
     return plan

@@ -31,7 +31,7 @@ from pulsectl._atomic import (
 )
 from pulsectl.checkpoint import Checkpoint
 from pulsectl.diff import DiffOptions, diff_to_path
-from pulsectl.errors import InputError, OutputError, PulseError, UsageError
+from pulsectl.errors import FormatError, InputError, OutputError, PulseError, UsageError
 from pulsectl.hashing import fingerprint_file
 from pulsectl.inventory import file_refs, fingerprint_of
 from pulsectl.store.base import ObjectExistsError, Store, open_store
@@ -47,6 +47,7 @@ from pulsectl.store.layout import (
     canonical_json,
     manifest_key,
     patch_key,
+    step_of_manifest_key,
 )
 
 Log = Callable[[str], None]
@@ -167,12 +168,15 @@ def publish(
             "rewritten (the cache is, at every publish): give a folder outside it",
             option="--cache",
         )
+    work: Path | None = None
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=".work-", dir=cache))
-    except OSError as exc:
-        raise os_error(exc, cache) from exc
-    try:
+        # Made and known to the clean-up below before an interrupt can stop this function.
+        with interrupts_deferred():
+            try:
+                cache.mkdir(parents=True, exist_ok=True)
+                work = Path(tempfile.mkdtemp(prefix=".work-", dir=cache))
+            except OSError as exc:
+                raise os_error(exc, cache) from exc
         target = _snapshot(Path(checkpoint), source, work, options.cast)
         manifest, reason, uploaded = _publish_step(
             store, catalog, last, step, target, work, cache, options, say
@@ -187,7 +191,8 @@ def publish(
                 f"{store.url} will upload a full anchor"
             )
     finally:
-        remove(work)
+        if work is not None:
+            remove(work)
     return PublishSummary(manifest, reason, uploaded, cache, cache_problem)
 
 
@@ -288,10 +293,27 @@ def _publish_step(
     target_fp: str | None = None
     target_bytes = 0
     if last is not None and head is not None and head[:2] == (last.step, last.target_fingerprint):
-        with _placed.unrecorded():  # a work file, uploaded below
-            summary = diff_to_path(head[2], target, patch_file, force=True, options=options.diff)
-        fraction = summary.patch_bytes / summary.target_bytes if summary.target_bytes else 0.0
-        if summary.base_fingerprint != last.target_fingerprint:
+        summary = None
+        try:
+            with _placed.unrecorded():  # a work file, uploaded below
+                summary = diff_to_path(
+                    head[2], target, patch_file, force=True, options=options.diff
+                )
+        except (InputError, FormatError) as exc:
+            if exc.path is None or not Path(exc.path).resolve().is_relative_to(cache.resolve()):
+                raise  # CKPT's own problem
+            # The cache's copy is damaged (cut short, say): an anchor, which also replaces it;
+            # every publish would fail on it otherwise.
+            anchor_reason = (
+                f"the publish cache's copy of step {last.step} cannot be read "
+                f"({exc.message.removeprefix(f'{exc.path}: ')})"
+            )
+        fraction = (
+            summary.patch_bytes / summary.target_bytes if summary and summary.target_bytes else 0
+        )
+        if summary is None:
+            pass
+        elif summary.base_fingerprint != last.target_fingerprint:
             anchor_reason = anchor_reason or (
                 f"the publish cache's copy of step {last.step} has fingerprint "
                 f"{summary.base_fingerprint}, not {last.target_fingerprint}"
@@ -354,6 +376,21 @@ def _publish_step(
         store.upload(patch_file, patch.key)
         uploaded += patch.size
     data = manifest.to_bytes()
+    # Another publisher that made a later step meanwhile (one publisher per store is the rule):
+    # this step would come after it, its objects counted as orphans by a prune, which may be
+    # deleting them already. Its objects are left for prune; the store is as the other made it.
+    later = [
+        n
+        for n in (step_of_manifest_key(k) for k in store.list(STEPS_PREFIX))
+        if n is not None and n > step
+    ]
+    if later:
+        raise ObjectExistsError(
+            f"{store.where(manifest_key(max(later)))}: step {max(later)} was published by "
+            f"another publisher meanwhile (one publisher per store); step {step} would come "
+            "after it: not published, its objects are left for prune",
+            path=store.where(manifest_key(max(later))),
+        )
     # An interrupt can come while the manifest is on its way: whether it landed, only the
     # store knows.
     _placed.done(

@@ -26,6 +26,7 @@ from pulsectl._atomic import (
     error_of_output,
     file_path,
     install,
+    interrupts_deferred,
     is_empty_folder,
     missing_folder,
     os_error,
@@ -167,12 +168,15 @@ def pull(
                 path=out,
             )
 
-    try:
-        work = Path(tempfile.mkdtemp(prefix=f".{out.name}{TEMP_MARK}pull-", dir=out.parent))
-    except OSError as exc:
-        raise os_error(exc, out) from exc
+    work: Path | None = None
     fetched = [0]
     try:
+        # Made and known to the clean-up below before an interrupt can stop this function.
+        with interrupts_deferred():
+            try:
+                work = Path(tempfile.mkdtemp(prefix=f".{out.name}{TEMP_MARK}pull-", dir=out.parent))
+            except OSError as exc:
+                raise os_error(exc, out) from exc
         while True:
             if plan is None:
                 raise _unreachable(store, target, broken, why)
@@ -211,11 +215,12 @@ def pull(
     except OutputError as exc:
         # A full disk while fetching or rebuilding: the file named is a temp of the work
         # folder, which is removed below; OUT is what the user knows.
-        if exc.path is None or not Path(exc.path).is_relative_to(work):
+        if work is None or exc.path is None or not Path(exc.path).is_relative_to(work):
             raise
         raise error_of_output(exc, out) from None
     finally:
-        remove(work)
+        if work is not None:
+            remove(work)
     start = (
         f"local copy of step {plan.start.step}"
         if plan.local
