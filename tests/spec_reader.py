@@ -335,23 +335,19 @@ def decode_codec3(payload, old, word):
     return apply_changes(old, word, pos.tolist(), z)
 
 
-def decode_codec5(payload, old, word, paired=False):
-    cur = Cur(payload)
-    count, w, k, res = cur.u("IBBH")
-    n = len(old)
-    req(res == 0, "codec5 reserved != 0")
-    req(w == word, "codec5 word mismatch")
-    req(0 <= k <= 31, "rice_k out of range")
-    req(1 <= count <= n // word, "codec5 count out of range")
+def read_streams(cur, word):
+    """Codecs 4-7: the unary and remainder streams and the value planes' sizes."""
     (ub,) = cur.u("I")
     unary = cur.take(ub)
     (rb,) = cur.u("I")
     rem = cur.take(rb)
     sizes = cur.u("I" * word)
     req(sum(sizes) == cur.left(), "plane sizes do not add up")
-    q = read_unary(unary, count)  # bits after the count-th 0-bit do not matter
-    r = read_remainders(rem, [k] * count)  # nor do the padding bits
-    gaps = (q << k) | r
+    return unary, rem, sizes
+
+
+def read_value_planes(cur, sizes, count, word, paired):
+    """Codecs 4-7: the zigzag values from the value planes (plane 0 paired in 6 and 7)."""
     planes = []
     for i, s in enumerate(sizes):
         if i == 0 and paired:
@@ -360,6 +356,22 @@ def decode_codec5(payload, old, word, paired=False):
             planes.append(read_plane(cur, s, count))
     z = assemble(planes, count, word)
     check_zigzag_range(z, word)
+    return z
+
+
+def decode_codec5(payload, old, word, paired=False):
+    cur = Cur(payload)
+    count, w, k, res = cur.u("IBBH")
+    n = len(old)
+    req(res == 0, "codec5 reserved != 0")
+    req(w == word, "codec5 word mismatch")
+    req(0 <= k <= 31, "rice_k out of range")
+    req(1 <= count <= n // word, "codec5 count out of range")
+    unary, rem, sizes = read_streams(cur, word)
+    q = read_unary(unary, count)  # bits after the count-th 0-bit do not matter
+    r = read_remainders(rem, [k] * count)  # nor do the padding bits
+    gaps = (q << k) | r
+    z = read_value_planes(cur, sizes, count, word, paired)
     pos = np.cumsum(gaps + 1) - 1
     req(int(pos[-1]) < n // word, "codec5 position out of block")
     return apply_changes(old, word, pos.tolist(), z)
@@ -384,24 +396,12 @@ def decode_codec4(payload, old, word, paired=False):
     req((keys < (1 << kbits)).all(), "context key exceeds key_bits")
     req((ks <= 31).all(), "context rice_k > 31")
     req((ch >= 1).all() and int(ch.sum()) == count, "context change counts bad")
-    (ub,) = cur.u("I")
-    unary = cur.take(ub)
-    (rb,) = cur.u("I")
-    rem = cur.take(rb)
-    sizes = cur.u("I" * word)
-    req(sum(sizes) == cur.left(), "plane sizes do not add up")
+    unary, rem, sizes = read_streams(cur, word)
     q = read_unary(unary, count)
     per_change_k = np.repeat(ks, ch)
     r = read_remainders(rem, per_change_k.tolist())
     gaps = (q << per_change_k) | r
-    planes = []
-    for i, s in enumerate(sizes):
-        if i == 0 and paired:
-            planes.append(read_paired_plane0(cur, s, count))
-        else:
-            planes.append(read_plane(cur, s, count))
-    z = assemble(planes, count, word)
-    check_zigzag_range(z, word)
+    z = read_value_planes(cur, sizes, count, word, paired)
     # keys of base words
     dt = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}[word]
     basew = np.frombuffer(old, dtype=dt).astype(np.uint64)

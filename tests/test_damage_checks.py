@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from _faultkit import parse_patch
 from _native import pure_numpy
 from safetensors.torch import save_file
 
@@ -39,9 +40,7 @@ from pulsectl.format import (
     BLOCK_HEAD,
     FOOTER,
     FRAME_HEAD,
-    PatchReader,
     PatchWriter,
-    blocks_in,
 )
 from pulsectl.info import read_patch_info
 from pulsectl.synth import generate_chain
@@ -263,24 +262,15 @@ def test_each_container_check_names_its_own_damage(tmp_path: Path) -> None:
         assert not (tmp_path / "out").exists(), what
 
     # The trailer's frame index, written wrong by a writer with every checksum right.
-    with patch.open("rb") as f:
-        reader = PatchReader(f, str(patch))
-        nblocks = [
-            blocks_in(i["nbytes"], reader.header["block_bytes"]) for i in reader.header["items"]
-        ]
-        blocks = []
-        for index, n in enumerate(nblocks):
-            reader.read_frame(index, n)
-            blocks.append([reader.read_block(1 << 24, "x") for _ in range(n)])
-        trailer = {k: v for k, v in reader.read_trailer().items() if k != "frames"}
+    parts = parse_patch(bytes(good))
     bad = tmp_path / "bad.pulse"
     with bad.open("wb") as f:
-        writer = PatchWriter(f, reader.header)
-        for index, frame_blocks in enumerate(blocks):
-            writer.begin_frame(index, len(frame_blocks))
-            for b in frame_blocks:
-                writer.add_block(b.codec, b.payload)
+        writer = PatchWriter(f, parts.header)
+        for index, blocks in enumerate(parts.frames):
+            writer.begin_frame(index, len(blocks))
+            for codec, payload in blocks:
+                writer.add_block(codec, payload)
         writer.frame_offsets[-1] += 1
-        writer.finish(trailer)
+        writer.finish(parts.trailer)
     with pytest.raises(CorruptPatchError, match="trailer frame index is damaged"):
         apply_patches(base, [bad], tmp_path / "out")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import xxhash
 import zstandard
+from _faultkit import build_patch, parse_patch
 from conftest import tree_bytes
 from safetensors.torch import save_file
 
@@ -31,9 +32,6 @@ from pulsectl.format import (
     BLOCK_HEAD,
     FOOTER,
     FRAME_HEAD,
-    PatchReader,
-    PatchWriter,
-    blocks_in,
 )
 from pulsectl.info import read_patch_info
 
@@ -484,22 +482,9 @@ GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
 def _rewrite(src: Path, dst: Path, block: Any = None) -> None:
     """Copy patch ``src`` to ``dst`` through pulsectl's own reader and writer, every checksum
     and offset recomputed; ``block(codec, payload)`` may give a block new bytes."""
-    with src.open("rb") as f:
-        reader = PatchReader(f, str(src))
-        step = reader.header["block_bytes"]
-        blocks = []
-        for index, item in enumerate(reader.header["items"]):
-            nblocks = blocks_in(item["nbytes"], step)
-            reader.read_frame(index, nblocks)
-            blocks.append([reader.read_block(step + 4096, "x") for _ in range(nblocks)])
-        trailer = {k: v for k, v in reader.read_trailer().items() if k != "frames"}
-    with dst.open("wb") as f:
-        writer = PatchWriter(f, reader.header)
-        for index, frame in enumerate(blocks):
-            writer.begin_frame(index, len(frame))
-            for b in frame:
-                writer.add_block(b.codec, block(b.codec, b.payload) if block else b.payload)
-        writer.finish(trailer)
+    parts = parse_patch(src.read_bytes())
+    frames = [[(c, block(c, p) if block else p) for c, p in f] for f in parts.frames]
+    dst.write_bytes(build_patch(parts.header, frames, parts.trailer))
 
 
 def _longer_last_plane(payload: bytes) -> bytes:
