@@ -136,11 +136,14 @@ def squash_patches(
                 nblocks = blocks_in(item.nbytes, header.block_bytes)
                 writer.begin_frame(index, nblocks)
                 changed = 0
-                frames = [_read_frame(streams[p], infos[p], i) for p, i in chain]
+                # Block by block from every patch of the chain at once (each has its own
+                # stream): holding each patch's whole frame took the sum of the tensor's
+                # frames over the chain (a 1 GiB tensor stored whole: 1 GB per patch).
+                frames = [_frame_blocks(streams[p], infos[p], i) for p, i in chain]
                 for b in range(nblocks):
                     size = min(header.block_bytes, item.nbytes - b * header.block_bytes)
                     enc = _compose_block(
-                        [blocks[b] for blocks in frames],
+                        [next(blocks) for blocks in frames],
                         item,
                         size,
                         level,
@@ -227,17 +230,16 @@ def _key(header: PatchHeader, item: Item) -> tuple[str, str | None]:
     return ("", item.name) if item.name is not None else (header.files[item.file].path, None)
 
 
-def _read_frame(stream: BinaryIO, info: PatchInfo, index: int) -> list[Block]:
-    """The blocks of frame ``index`` of a seekable patch (block checksums verified)."""
+def _frame_blocks(stream: BinaryIO, info: PatchInfo, index: int) -> Iterator[Block]:
+    """The blocks of frame ``index`` of a seekable patch, one at a time (block checksums
+    verified), read where the last one ended: ``stream`` is this frame's alone meanwhile."""
     header = info.header
     item = header.items[index]
     nblocks = blocks_in(item.nbytes, header.block_bytes)
     reader = PatchReader.at_frame(stream, info.name, info.trailer.frames[index])
     reader.read_frame(index, nblocks)
-    return [
-        reader.read_block(header.block_bytes + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
-        for _ in range(nblocks)
-    ]
+    for _ in range(nblocks):
+        yield reader.read_block(header.block_bytes + BLOCK_PAYLOAD_SLACK, f"tensor {item.label!r}")
 
 
 def _compose_block(
