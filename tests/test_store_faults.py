@@ -436,3 +436,27 @@ def test_a_step_below_one_published_meanwhile_is_refused(
     with pytest.raises(ObjectExistsError, match="step 3 was published by another publisher"):
         publish(store, chain[1], step=2, options=PublishOptions(cache_dir=tmp_path / "a"))
     assert [s[0] for s in steps_of(store)] == [0, 3]
+
+
+def test_log_flags_steps_cut_off_from_every_anchor(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step whose own objects are all there but whose base's manifest is gone (deleted by
+    hand, or by a prune of before newest-first) cannot be pulled: log said nothing of it."""
+    store = tmp_path / "store"
+    for ckpt in chain:
+        publish(store, ckpt, options=PublishOptions(cache_dir=tmp_path / "cache"))
+    assert all(s["reachable"] for s in read_log(store)["steps"])
+    (store / manifest_key(1)).unlink()
+    doc = read_log(store)
+    assert [(s["step"], s["reachable"]) for s in doc["steps"]] == [
+        (0, True),
+        (2, False),
+        (3, False),
+        (4, False),
+    ]
+    capsys.readouterr()
+    assert main(["log", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    flagged = [line.split()[0] for line in lines if "UNREACHABLE" in line]
+    assert flagged == ["2", "3", "4"]

@@ -31,6 +31,8 @@ def log(ctx: typer.Context, store: StoreUrl, as_json: JsonFlag = False) -> None:
         patch = f"{s['patch_bytes']:,}" if s["patch_bytes"] is not None else "-"
         density = f"{s['density']:.3%}" if s["density"] is not None else "-"
         note = f"  MISSING {shown(', '.join(s['missing']))}" if s["missing"] else ""
+        if not s["reachable"]:
+            note += "  UNREACHABLE (no whole chain back to an anchor)"
         out.data(
             f"{s['step']:>8}  {s['kind']:<7} {anchor:>14} {patch:>12} {s['chain_length']:>5} "
             f"{density:>8}  {s['target_fingerprint']}{note}"

@@ -20,6 +20,10 @@ def read_log(store: Store | str | Path) -> dict[str, Any]:
     manifests = {m.step: m for m in catalog.load_all()}
     present = store.list(ANCHORS_PREFIX) | store.list(PATCHES_PREFIX)
     steps: list[dict[str, Any]] = []
+    # Whether a step can be rebuilt from the store alone: an anchor with all its objects, or
+    # a patch whose object is there on top of a reachable base of the right fingerprint. A
+    # step whose own objects are all there can still be cut off (its base's manifest gone).
+    reachable: dict[int, bool] = {}
     for step in catalog.steps:
         m = manifests.get(step)
         if m is None:
@@ -27,6 +31,15 @@ def read_log(store: Store | str | Path) -> dict[str, Any]:
             continue
         missing = [f.key for f in m.files if present.get(f.key) != f.size]
         patch = m.patch
+        whole = m.anchor is not None and all(present.get(f.key) == f.size for f in m.anchor)
+        base = manifests.get(patch.base_step) if patch is not None else None
+        reachable[step] = whole or (
+            patch is not None
+            and present.get(patch.key) == patch.size
+            and base is not None
+            and base.target_fingerprint == patch.base_fingerprint
+            and reachable.get(patch.base_step, False)
+        )
         steps.append(
             {
                 "step": step,
@@ -46,6 +59,7 @@ def read_log(store: Store | str | Path) -> dict[str, Any]:
                 "cast": m.cast,
                 "published": m.published,
                 "missing": missing,
+                "reachable": reachable[step],
             }
         )
     return {"schema": LOG_SCHEMA, "store": store.url, "steps": steps}
