@@ -65,18 +65,9 @@ def _rename_new(tmp: Path, path: Path) -> bool:
     """Rename ``tmp`` to ``path`` where ``path`` does not exist; False, nothing done, where it
     does. In one step with renameat2 (Linux), else by a hard link (files); else the check and
     the rename are two steps."""
-    renameat2 = getattr(_libc(), "renameat2", None)
-    if renameat2 is not None:
-        if (
-            renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(path), _RENAME_NOREPLACE)
-            == 0
-        ):
-            return True
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            return False
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), str(path))
+    done = _renameat2(tmp, path, _RENAME_NOREPLACE)
+    if done is not None:
+        return done
     if not tmp.is_dir():
         try:
             os.link(tmp, path)
@@ -605,14 +596,22 @@ def _set_mode(path: Path, st: os.stat_result) -> None:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    return _renameat2(a, b, _RENAME_EXCHANGE) is True
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool | None:
+    """Linux renameat2(a, b, flags): True done; False refused because ``b`` exists; None
+    where the system has no such call or flag (not Linux, an old kernel or file system)."""
     renameat2 = getattr(_libc(), "renameat2", None)
     if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return None
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # old kernel or file system
+    if err == errno.EEXIST:
         return False
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return None
     raise OSError(err, os.strerror(err), str(b))
 
 
