@@ -16,12 +16,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from pulsectl import _placed
 from pulsectl.errors import InputError, OutputError, PulseError, UsageError
 
 TEMP_MARK = ".pulsectl-tmp-"
+
+T = TypeVar("T")
 
 # How a path typed to mean a folder ends ('runs/', 'runs/.'); a Path drops both.
 _FOLDER_ENDINGS = tuple(dict.fromkeys(f"{sep}{dot}" for dot in (".", "") for sep in "/" + os.sep))
@@ -650,41 +652,66 @@ def error_of_output(exc: PulseError, out: Path) -> OutputError:
 
 
 def commit_outputs(writes: Sequence[tuple[Path, Callable[[Path], Any]]]) -> list[Any]:
-    """Outputs that are one result (a LoCo patch and its residual, the block patches of one
-    update): ``write(tmp)`` writes each to a temp file beside it, then all are moved into
-    place, in order, with signals held. Nothing is replaced unless every output was written
-    in full; an error of a write that names its temp names the output. Returns what each
-    ``write`` returned."""
-    temps: list[tuple[Path, Path]] = []
-    done: list[Any] = []
+    """Outputs that are one result (the block patches of one update): ``write(tmp)`` writes
+    each to a temp file beside it, then all are moved into place as ``commit_together`` does.
+    Returns what each ``write`` returned."""
+
+    def write_each(tmps: list[Path]) -> list[Any]:
+        return [write(tmp) for (_, write), tmp in zip(writes, tmps, strict=True)]
+
+    result: list[Any] = commit_together([target for target, _ in writes], write_each)
+    return result
+
+
+def commit_together(targets: Sequence[Path], write: Callable[[list[Path]], T]) -> T:
+    """Outputs that are one result, written by one pass (a LoCo patch and its residual):
+    ``write(tmps)`` writes each target's temp file beside it, then all are moved into place,
+    in order, with signals held. Nothing is replaced unless every output was written in full;
+    an error that names a temp (or a temp of it) names its output. Returns what ``write``
+    returned."""
+    tmps: list[Path] = []
     try:
-        for target, write in writes:
-            tmp = temp_path(target)
-            temps.append((tmp, target))
-            try:
-                with _placed.unrecorded():  # the temp is not the output
-                    done.append(write(tmp))
-            except PulseError as exc:
-                if exc.path is None or Path(exc.path).parent != target.parent:
-                    raise
-                raise error_of_output(exc, target) from None
+        for target in targets:
+            tmps.append(temp_path(target))
+        try:
+            with _placed.unrecorded():  # the temps are not the outputs
+                done = write(list(tmps))
+        except PulseError as exc:
+            named = _output_of(exc, tmps, targets)
+            if named is None:
+                raise
+            raise error_of_output(exc, named) from None
         # All of them or, on an error, the first ones: never one without the others because
         # an interrupt came between them.
         with interrupts_deferred():
-            for tmp, target in temps:
+            for tmp, target in zip(tmps, targets, strict=True):
                 try:
                     keep_mode(tmp, target)  # a replaced file keeps its bits
                     put_in_place(tmp, target)
                 except OSError as exc:
                     raise os_error(exc, target) from exc
     except OSError as exc:
-        raise os_error(exc, writes[len(temps) - 1][0] if temps else Path(".")) from exc
+        raise os_error(exc, targets[max(len(tmps) - 1, 0)] if targets else Path(".")) from exc
     finally:
-        for tmp, _ in temps:
+        for tmp in tmps:
             with contextlib.suppress(OSError):
                 if tmp.exists():
                     remove(tmp)
     return done
+
+
+def _output_of(exc: PulseError, tmps: Sequence[Path], targets: Sequence[Path]) -> Path | None:
+    """The output whose temp ``exc`` names (the temp, or a temp made beside it for it); None
+    for an error of anything else, an input read while writing among them."""
+    if exc.path is None:
+        return None
+    named = Path(exc.path)
+    for tmp, target in zip(tmps, targets, strict=True):
+        if named == tmp or (
+            named.parent == tmp.parent and named.name.startswith(f".{tmp.name}{TEMP_MARK}")
+        ):
+            return target
+    return None
 
 
 def refuse_stdout_as_input(inputs: Sequence[object], what: str) -> None:

@@ -23,12 +23,13 @@ So ``pulsectl inspect`` reads it as is, and ``pulsectl apply ZEROS PATCH`` densi
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,17 +39,18 @@ import numpy as np
 from pulsectl import __version__
 from pulsectl._atomic import (
     check_file_target,
-    commit_outputs,
+    commit_together,
     file_path,
+    os_error,
 )
 from pulsectl._io import pread_array
 from pulsectl.cast import cast_words
 from pulsectl.checkpoint import (
     HEADER_ALIGN,
     SafetensorsHeader,
+    build_header,
     parse_header,
     read_header,
-    save_safetensors,
 )
 from pulsectl.codecs import decode_block, encode_block
 from pulsectl.errors import (
@@ -92,6 +94,7 @@ DEFAULT_LEVEL = 3  # zstd level of the codec planes
 
 _F32 = "F32"
 _ZERO_CHUNK = 16 * 1024 * 1024
+_RUN = 4 * 1024 * 1024  # elements the file commands work on at a time (16 MiB of FP32)
 
 Tensors = dict[str, np.ndarray]
 """Named float32 arrays (any shape)."""
@@ -184,16 +187,28 @@ def encode(
     for name in sorted(global_):
         g = _f32(global_[name], name).reshape(-1)
         lo = _f32(local[name], name).reshape(-1)
-        r = np.zeros_like(g) if residual is None else _f32(residual[name], name).reshape(-1)
-        with np.errstate(all="ignore"):
-            s = np.add(r, np.subtract(g, lo))
-            w = np.subtract(g, s)
-        pos = np.flatnonzero(visible_words(g, visible) != visible_words(w, visible))
+        r = None if residual is None else _f32(residual[name], name).reshape(-1)
+        pos, sent, s = _encode_run(g, lo, r, visible)
         shape = tuple(int(d) for d in np.shape(global_[name]))
-        shapes[name], positions[name], values[name] = shape, pos, s[pos]
-        s[pos] = 0.0
+        shapes[name], positions[name], values[name] = shape, pos, sent
         new_residual[name] = s.reshape(shape)
     return SparseUpdate(shapes, positions, values, KIND_PSEUDO_GRADIENT, 1, visible), new_residual
+
+
+def _encode_run(
+    g: np.ndarray, lo: np.ndarray, r: np.ndarray | None, visible: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``encode`` on a run of elements (flat float32): the sent positions within the run, their
+    values, and the new residual of the run (a new array)."""
+    if r is None:
+        r = np.zeros_like(g)
+    with np.errstate(all="ignore"):
+        s = np.add(r, np.subtract(g, lo))
+        w = np.subtract(g, s)
+    pos = np.flatnonzero(visible_words(g, visible) != visible_words(w, visible))
+    sent = s[pos]
+    s[pos] = 0.0
+    return pos, sent, s
 
 
 def reduce(updates: Sequence[SparseUpdate]) -> SparseUpdate:
@@ -217,17 +232,12 @@ def reduce(updates: Sequence[SparseUpdate]) -> SparseUpdate:
                 f"update {k + 1} has other tensors than update 1 "
                 f"({_first_difference(first.shapes, u.shapes)}); all trainers must share one model"
             )
-    count = np.float32(len(updates))
     shapes, positions, values = {}, {}, {}
     for name, shape in first.shapes.items():
-        acc = np.zeros(math.prod(shape), dtype=np.float32)
-        with np.errstate(all="ignore"):
-            for u in updates:
-                pos = u.positions[name]
-                acc[pos] = acc[pos] + u.values[name]  # positions are unique within an update
-            np.divide(acc, count, out=acc)
-        pos = np.flatnonzero(acc.view(np.uint32))
-        shapes[name], positions[name], values[name] = shape, pos, acc[pos]
+        parts = [(u.positions[name], u.values[name]) for u in updates]
+        acc = _mean(parts, math.prod(shape))
+        shapes[name] = shape
+        positions[name], values[name] = _sparse(acc)
     seen = {u.visible for u in updates}
     visible = seen.pop() if len(seen) == 1 else None
     return SparseUpdate(shapes, positions, values, KIND_AVERAGE, len(updates), visible)
@@ -256,21 +266,31 @@ def outer_step(
         _check_same(global_, momentum, "global", "momentum")
     new_global: Tensors = {}
     new_momentum: Tensors = {}
-    with np.errstate(all="ignore"):
-        for name in sorted(global_):
-            g = _f32(global_[name], name)
-            u = _f32(dense[name], name).reshape(g.shape)
-            if plain:
-                new_global[name] = np.subtract(g, u)
-                continue
-            if momentum is None:
-                m = u.copy()
-            else:
-                m = np.add(np.multiply(beta32, _f32(momentum[name], name).reshape(g.shape)), u)
-            d = np.add(u, np.multiply(beta32, m))
-            new_global[name] = np.subtract(g, np.multiply(lr32, d))
-            new_momentum[name] = m
+    for name in sorted(global_):
+        g = _f32(global_[name], name)
+        u = _f32(dense[name], name).reshape(g.shape)
+        m = None if momentum is None or plain else _f32(momentum[name], name).reshape(g.shape)
+        new_global[name], m2 = _step_run(g, u, m, lr32, beta32, plain)
+        if m2 is not None:
+            new_momentum[name] = m2
     return new_global, None if plain else new_momentum
+
+
+def _step_run(
+    g: np.ndarray,
+    u: np.ndarray,
+    m: np.ndarray | None,
+    lr32: np.float32,
+    beta32: np.float32,
+    plain: bool,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``outer_step`` on a run of elements: the new weights and momentum (None if ``plain``)."""
+    with np.errstate(all="ignore"):
+        if plain:
+            return np.subtract(g, u), None
+        m2 = u.copy() if m is None else np.add(np.multiply(beta32, m), u)
+        d = np.add(u, np.multiply(beta32, m2))
+        return np.subtract(g, np.multiply(lr32, d)), m2
 
 
 def check_outer(lr: float, beta: float) -> tuple[np.float32, np.float32]:
@@ -316,7 +336,34 @@ def write_update(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> int:
     """Stream the update to ``out`` as a .pulse patch; returns the bytes written."""
-    st = _target_header(update.shapes)
+    runs = ((update.positions[n], update.values[n]) for n in sorted(update.shapes))
+    return _write_patch(
+        out,
+        update.shapes,
+        _loco_doc(update.kind, update.trainers, update.visible),
+        runs,
+        level=level,
+        block_bytes=block_bytes,
+    )
+
+
+def _loco_doc(kind: str, trainers: int, visible: str | None) -> dict[str, Any]:
+    return {"version": LOCO_VERSION, "kind": kind, "trainers": trainers, "visible": visible}
+
+
+def _write_patch(
+    out: BinaryIO,
+    shapes: Mapping[str, tuple[int, ...]],
+    loco: dict[str, Any],
+    tensors: Iterator[tuple[np.ndarray, np.ndarray]],
+    *,
+    level: int = DEFAULT_LEVEL,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> int:
+    """Write the loco patch of F32 tensors of ``shapes``; ``tensors`` yields each one's sent
+    positions and values as it is reached, in name order (the file's), so only one tensor's
+    are held at a time. Returns the bytes written."""
+    st = _target_header(shapes)
     prefix = struct.pack("<Q", len(st.raw)) + st.raw
     zeros_fp = _zeros_file_fingerprint(st)
     items = tuple(
@@ -333,12 +380,7 @@ def write_update(
         items=items,
     )
     doc = header.to_json()
-    doc["loco"] = {
-        "version": LOCO_VERSION,
-        "kind": update.kind,
-        "trainers": update.trainers,
-        "visible": update.visible,
-    }
+    doc["loco"] = loco
     writer = PatchWriter(out, doc)
     whole = new_hasher()
     whole.update(prefix)
@@ -346,8 +388,8 @@ def write_update(
     zeros = np.zeros(min(block_bytes, max((t.nbytes for t in st.tensors), default=0)), np.uint8)
     results = []
     for index, t in enumerate(st.tensors):
-        pos = update.positions[t.name]
-        bits = update.values[t.name].view(np.uint32)
+        pos, values = next(tensors)
+        bits = values.view(np.uint32)
         nblocks = blocks_in(t.nbytes, block_bytes)
         start = writer.offset
         writer.begin_frame(index, nblocks)
@@ -384,63 +426,90 @@ def read_update(source: str | Path | BinaryIO, name: str | None = None) -> Spars
                 return read_update(f, str(source))
         except OSError as exc:
             raise InputError(f"{source}: cannot read: {exc.strerror}", path=source) from exc
-    name = name or getattr(source, "name", "<stream>")
-    reader = PatchReader(source, str(name))
-    header = header_from_json(reader.header, reader.name)
-    loco = _loco_field(reader.header, reader.name)
-    st = _check_zero_base(header, reader.name)
-    shapes: dict[str, tuple[int, ...]] = {}
+    stream = _UpdateStream(source, str(name or getattr(source, "name", "<stream>")))
     positions: dict[str, np.ndarray] = {}
     values: dict[str, np.ndarray] = {}
-    item_fps = []
-    whole = new_hasher()
-    whole.update(struct.pack("<Q", len(st.raw)) + st.raw)
-    bb = header.block_bytes
-    words_per_block = bb // 4
-    for index, (item, t) in enumerate(zip(header.items, st.tensors, strict=True)):
+    for tensor in stream.shapes:
+        positions[tensor], values[tensor] = stream.next_tensor()
+    stream.finish()
+    return SparseUpdate(
+        stream.shapes, positions, values, stream.kind, stream.trainers, stream.visible
+    )
+
+
+class _UpdateStream:
+    """A loco patch read one tensor at a time: ``shapes`` (in file order, by name) and the
+    ``loco`` field from its header, then ``next_tensor`` for each tensor in turn, then
+    ``finish``, which checks the fingerprints and the file checksum. Nothing it returned is to
+    be trusted (or written where it would be kept) before ``finish`` returns."""
+
+    def __init__(self, source: BinaryIO, name: str) -> None:
+        self._reader = PatchReader(source, str(name))
+        self.name = self._reader.name
+        self._header = header_from_json(self._reader.header, self.name)
+        loco = _loco_field(self._reader.header, self.name)
+        self.kind: str = loco["kind"]
+        self.trainers: int = loco["trainers"]
+        self.visible: str | None = loco["visible"]
+        self._st = _check_zero_base(self._header, self.name)
+        self.shapes = {t.name: t.shape for t in self._st.tensors}
+        self._whole = new_hasher()
+        self._whole.update(struct.pack("<Q", len(self._st.raw)) + self._st.raw)
+        self._item_fps: list[str] = []
+
+    def next_tensor(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next tensor's sent positions (int64, ascending) and values (float32)."""
+        index = len(self._item_fps)
+        item, t = self._header.items[index], self._st.tensors[index]
+        bb = self._header.block_bytes
         nblocks = blocks_in(item.nbytes, bb)
-        reader.read_frame(index, nblocks)
+        self._reader.read_frame(index, nblocks)
         h = new_hasher()
         pos_parts, val_parts = [], []
         for b in range(nblocks):
             size = min(bb, item.nbytes - b * bb)
-            block = reader.read_block(bb + BLOCK_PAYLOAD_SLACK, f"tensor {t.name!r} block {b}")
+            where = f"tensor {t.name!r} block {b}"
+            block = self._reader.read_block(bb + BLOCK_PAYLOAD_SLACK, where)
             try:
                 data = decode_block(block.codec, block.payload, np.zeros(size, np.uint8), size, 4)
             except (CorruptPatchError, FormatError) as exc:  # damaged, or a newer codec
                 raise type(exc)(
-                    f"{reader.name}: tensor {t.name!r}: {exc}", path=reader.name, tensor=t.name
+                    f"{self.name}: tensor {t.name!r}: {exc}", path=self.name, tensor=t.name
                 ) from exc
-            update_both(h, whole, data.data)
+            update_both(h, self._whole, data.data)
             words = data.view("<u4")
             nz = np.flatnonzero(words)
-            pos_parts.append(nz + b * words_per_block)
+            pos_parts.append(nz + b * (bb // 4))
             val_parts.append(words[nz].astype(np.uint32).view(np.float32))
-        item_fps.append(h.hexdigest())
-        shapes[t.name] = t.shape
-        positions[t.name] = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
-        values[t.name] = np.concatenate(val_parts) if val_parts else np.zeros(0, np.float32)
-    _check_zero_fingerprints(header, st, reader.name)
-    trailer = trailer_from_json(reader.read_trailer(), header, reader.name)
-    for t, want, got in zip(st.tensors, trailer.items, item_fps, strict=True):
-        if want.fingerprint != got:
+        self._item_fps.append(h.hexdigest())
+        positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
+        values = np.concatenate(val_parts) if val_parts else np.zeros(0, np.float32)
+        return positions, values
+
+    def finish(self) -> None:
+        """Check what was read against the trailer (every tensor must have been read)."""
+        name, st = self.name, self._st
+        _check_zero_fingerprints(self._header, st, name)
+        trailer = trailer_from_json(self._reader.read_trailer(), self._header, name)
+        for t, want, got in zip(st.tensors, trailer.items, self._item_fps, strict=True):
+            if want.fingerprint != got:
+                raise IntegrityError(
+                    f"{name}: tensor {t.name!r} decodes to fingerprint {got}, the patch says "
+                    f"{want.fingerprint}",
+                    path=name,
+                    tensor=t.name,
+                    expected=want.fingerprint,
+                    actual=got,
+                )
+        got = self._whole.hexdigest()
+        if got != trailer.target_fingerprint:
             raise IntegrityError(
-                f"{reader.name}: tensor {t.name!r} decodes to fingerprint {got}, the patch says "
-                f"{want.fingerprint}",
-                path=reader.name,
-                tensor=t.name,
-                expected=want.fingerprint,
+                f"{name}: decoded values have fingerprint {got}, the patch says "
+                f"{trailer.target_fingerprint}",
+                path=name,
+                expected=trailer.target_fingerprint,
                 actual=got,
             )
-    if whole.hexdigest() != trailer.target_fingerprint:
-        raise IntegrityError(
-            f"{reader.name}: decoded values have fingerprint {whole.hexdigest()}, the patch says "
-            f"{trailer.target_fingerprint}",
-            path=reader.name,
-            expected=trailer.target_fingerprint,
-            actual=whole.hexdigest(),
-        )
-    return SparseUpdate(shapes, positions, values, loco["kind"], loco["trainers"], loco["visible"])
 
 
 def is_patch(path: str | Path) -> bool:
@@ -493,27 +562,96 @@ class ReduceSummary:
 
 def load_tensors(path: str | Path) -> tuple[Tensors, dict[str, str] | None]:
     """The F32 tensors of a safetensors file (InputError naming any other dtype) and metadata."""
-    path = Path(path)
-    st = read_header(path)
-    out: Tensors = {}
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot open: {exc.strerror}", path=path) from exc
-    try:
+    with _F32Source(path) as src:
+        out = {t.name: src.read(t.name, 0, src.numel(t.name)).reshape(t.shape) for t in src.tensors}
+        return out, src.metadata
+
+
+class _F32Source:
+    """A safetensors file of F32 tensors, read a run of one tensor's elements at a time."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        st = read_header(self.path)
+        self.metadata = st.metadata
+        self.tensors = st.tensors
+        self._by_name = {t.name: t for t in st.tensors}
+        self.shapes = {t.name: t.shape for t in st.tensors}
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot open: {exc.strerror}", path=path) from exc
         for t in st.tensors:
             if t.dtype != _F32:
+                os.close(self._fd)
                 raise InputError(
                     f"{path}: tensor {t.name!r} is {t.dtype}; loco works on F32 tensors (the "
                     "FP32 master weights); save them in float32",
                     path=path,
                     tensor=t.name,
                 )
-            data = pread_array(fd, t.start, t.nbytes, str(path))
-            out[t.name] = data.view("<f4").astype(np.float32, copy=False).reshape(t.shape)
-    finally:
-        os.close(fd)
-    return out, st.metadata
+
+    def numel(self, name: str) -> int:
+        return self._by_name[name].nbytes // 4
+
+    def read(self, name: str, first: int, count: int) -> np.ndarray:
+        """Elements ``first`` to ``first + count`` of tensor ``name``, flat float32."""
+        t = self._by_name[name]
+        data = pread_array(self._fd, t.start + 4 * first, 4 * count, str(self.path))
+        return data.view("<f4").astype(np.float32, copy=False)
+
+    def __enter__(self) -> _F32Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+
+class _F32Sink:
+    """A new safetensors file of F32 tensors, laid out as ``save_safetensors`` lays them out
+    (by name, after the metadata), written front to back a run of elements at a time."""
+
+    def __init__(
+        self, path: Path, shapes: Mapping[str, tuple[int, ...]], metadata: dict[str, str] | None
+    ) -> None:
+        header, self.order = build_header({n: (_F32, s) for n, s in shapes.items()}, metadata)
+        self.path = path
+        self._left = sum(4 * math.prod(s) for s in shapes.values())
+        try:
+            self._file = open(path, "xb")  # noqa: SIM115 (closed by close or discard)
+            self._file.write(struct.pack("<Q", len(header)) + header)
+        except OSError as exc:
+            raise os_error(exc, path) from exc
+
+    def write(self, run: np.ndarray) -> None:
+        try:
+            self._file.write(memoryview(np.ascontiguousarray(run, dtype="<f4")).cast("B"))
+        except OSError as exc:
+            raise os_error(exc, self.path) from exc
+        self._left -= 4 * run.size
+
+    def close(self) -> None:
+        assert self._left == 0, f"{self.path}: {self._left} bytes of tensor data not written"
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise os_error(exc, self.path) from exc
+
+    def __enter__(self) -> _F32Sink:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            with contextlib.suppress(OSError):
+                self._file.close()
+
+
+def _runs(numel: int) -> Iterator[tuple[int, int]]:
+    """(first, count) of each run of a tensor's elements that the file commands work on."""
+    for first in range(0, numel, _RUN):
+        yield first, min(_RUN, numel - first)
 
 
 def encode_files(
@@ -543,14 +681,41 @@ def encode_files(
     )
     check_file_target(out, force)
     check_file_target(residual_path, True, "residual")
-    global_, _ = load_tensors(global_path)
-    local, _ = load_tensors(local_path)
-    created = not residual_path.exists()
-    residual = None if created else load_tensors(residual_path)[0]
-    update, new_residual = encode(global_, local, residual, visible=visible)
-    data = dumps(update, level=level)
-    commit_outputs([(out, lambda p: _write_bytes(p, data)), (residual_path, _saver(new_residual))])
-    return EncodeSummary(update.sent, update.total, len(data), created)
+    with contextlib.ExitStack() as stack:
+        g_src = stack.enter_context(_F32Source(global_path))
+        l_src = stack.enter_context(_F32Source(local_path))
+        created = not residual_path.exists()
+        r_src = None if created else stack.enter_context(_F32Source(residual_path))
+        _check_shapes(g_src.shapes, l_src.shapes, "global", "local")
+        if r_src is not None:
+            _check_shapes(g_src.shapes, r_src.shapes, "global", "residual")
+        shapes = g_src.shapes
+        sent = 0
+
+        def tensors(residual: _F32Sink) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            nonlocal sent
+            for name in residual.order:
+                pos_parts, val_parts = [], []
+                for first, count in _runs(g_src.numel(name)):
+                    g = g_src.read(name, first, count)
+                    lo = l_src.read(name, first, count)
+                    r = None if r_src is None else r_src.read(name, first, count)
+                    pos, values, s = _encode_run(g, lo, r, visible)
+                    residual.write(s)
+                    pos_parts.append(pos + first)
+                    val_parts.append(values)
+                sent += sum(p.size for p in pos_parts)
+                yield _joined(pos_parts, val_parts)
+
+        def write(tmps: list[Path]) -> int:
+            patch_tmp, residual_tmp = tmps
+            with _F32Sink(residual_tmp, shapes, None) as residual:
+                loco = _loco_doc(KIND_PSEUDO_GRADIENT, 1, visible)
+                return _write_file(patch_tmp, shapes, loco, tensors(residual), level)
+
+        patch_bytes = commit_together([out, residual_path], write)
+    total = sum(math.prod(shape) for shape in shapes.values())
+    return EncodeSummary(sent, total, patch_bytes, created)
 
 
 def reduce_files(
@@ -568,14 +733,64 @@ def reduce_files(
         [(f"patch {k + 1}", p, False) for k, p in enumerate(paths)] + [("-o", out, True)]
     )
     check_file_target(out, force)
-    updates = [read_update(p) for p in patches]
-    avg = reduce(updates)
-    if dense:
-        commit_outputs([(out, _saver(avg.dense()))])
-    else:
-        data = dumps(avg, level=level)
-        commit_outputs([(out, lambda p: _write_bytes(p, data))])
-    return ReduceSummary(len(updates), avg.sent, avg.total, out.stat().st_size)
+    if not paths:
+        raise UsageError("reduce needs at least one pseudo-gradient")
+    with contextlib.ExitStack() as stack:
+        streams = [_open_update(stack, p) for p in paths]
+        first = streams[0]
+        for k, u in enumerate(streams):  # as ``reduce`` checks them, from the headers
+            if u.kind != KIND_PSEUDO_GRADIENT:
+                raise UsageError(
+                    f"update {k + 1} is a loco {u.kind!r}, not a pseudo-gradient; reduce the "
+                    "trainers' patches from `pulsectl loco encode`"
+                )
+            if u.shapes != first.shapes:
+                raise UsageError(
+                    f"update {k + 1} has other tensors than update 1 "
+                    f"({_first_difference(first.shapes, u.shapes)}); all trainers must share "
+                    "one model"
+                )
+        shapes = first.shapes
+        seen = {u.visible for u in streams}
+        visible = seen.pop() if len(seen) == 1 else None
+        sent = 0
+
+        def tensors() -> Iterator[Iterator[tuple[int, np.ndarray]]]:
+            """Each tensor's mean as runs of elements (first, dense run), in name order; every
+            patch is checked after its last tensor."""
+            for name in sorted(shapes):
+                parts = [u.next_tensor() for u in streams]
+                numel = math.prod(shapes[name])
+                yield ((first, _mean(parts, first, count)) for first, count in _runs(numel))
+            for u in streams:
+                u.finish()
+
+        def sparse() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            nonlocal sent
+            for runs in tensors():
+                pos_parts, val_parts = [], []
+                for first, acc in runs:
+                    pos, values = _sparse(acc)
+                    pos_parts.append(pos + first)
+                    val_parts.append(values)
+                    sent += pos.size
+                yield _joined(pos_parts, val_parts)
+
+        def write(tmps: list[Path]) -> None:
+            nonlocal sent
+            if not dense:
+                loco = _loco_doc(KIND_AVERAGE, len(streams), visible)
+                _write_file(tmps[0], shapes, loco, sparse(), level)
+                return
+            with _F32Sink(tmps[0], shapes, None) as sink:
+                for runs in tensors():
+                    for _, acc in runs:
+                        sink.write(acc)
+                        sent += int(np.count_nonzero(acc.view(np.uint32)))
+
+        commit_together([out], write)
+    total = sum(math.prod(shape) for shape in shapes.values())
+    return ReduceSummary(len(paths), sent, total, out.stat().st_size)
 
 
 def step_files(
@@ -614,17 +829,42 @@ def step_files(
     check_file_target(out, force)
     if momentum_path is not None:
         check_file_target(momentum_path, True, "momentum")
-    global_, metadata = load_tensors(global_path)
-    update: Tensors | SparseUpdate
-    update = read_update(update_path) if is_patch(update_path) else load_tensors(update_path)[0]
-    momentum = None
-    if momentum_path is not None and momentum_path.exists():
-        momentum = load_tensors(momentum_path)[0]
-    new_global, new_momentum = outer_step(global_, update, momentum, lr=lr, beta=beta, plain=plain)
-    writes = [(out, _saver(new_global, metadata))]
-    if new_momentum is not None and momentum_path is not None:
-        writes.append((momentum_path, _saver(new_momentum)))
-    commit_outputs(writes)
+    lr32, beta32 = check_outer(lr, beta)
+    with contextlib.ExitStack() as stack:
+        g_src = stack.enter_context(_F32Source(global_path))
+        sparse = _open_update(stack, update_path) if is_patch(update_path) else None
+        u_src = None if sparse is not None else stack.enter_context(_F32Source(update_path))
+        m_src = None
+        if momentum_path is not None and momentum_path.exists():
+            m_src = stack.enter_context(_F32Source(momentum_path))
+        shapes = g_src.shapes
+        u_shapes = sparse.shapes if sparse is not None else u_src.shapes  # type: ignore[union-attr]
+        _check_shapes(shapes, u_shapes, "global", "update")
+        if m_src is not None:
+            _check_shapes(shapes, m_src.shapes, "global", "momentum")
+
+        def write(tmps: list[Path]) -> None:
+            with contextlib.ExitStack() as sinks:
+                new_g = sinks.enter_context(_F32Sink(tmps[0], shapes, g_src.metadata))
+                new_m = None if plain else sinks.enter_context(_F32Sink(tmps[1], shapes, None))
+                for name in new_g.order:
+                    sent = None if sparse is None else sparse.next_tensor()
+                    for first, count in _runs(g_src.numel(name)):
+                        g = g_src.read(name, first, count)
+                        if sent is None:
+                            u = u_src.read(name, first, count)  # type: ignore[union-attr]
+                        else:
+                            u = _dense_run(sent, first, count)
+                        m = None if m_src is None else m_src.read(name, first, count)
+                        g2, m2 = _step_run(g, u, m, lr32, beta32, plain)
+                        new_g.write(g2)
+                        if new_m is not None and m2 is not None:
+                            new_m.write(m2)
+                if sparse is not None:
+                    sparse.finish()  # before either output is closed as whole
+
+        targets = [out] if momentum_path is None else [out, momentum_path]
+        commit_together(targets, write)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -833,15 +1073,85 @@ def _not_from_zeros(name: str, tensor: str) -> CorruptPatchError:
     )
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _check_shapes(
+    ref: Mapping[str, tuple[int, ...]],
+    other: Mapping[str, tuple[int, ...]],
+    ref_label: str,
+    label: str,
+) -> None:
+    if dict(ref) != dict(other):
+        raise InputError(
+            f"{label} does not match {ref_label}: {_first_difference(ref, other)}; "
+            "both must hold the same tensors with the same shapes"
+        )
 
 
-def _saver(tensors: Tensors, metadata: dict[str, str] | None = None) -> Any:
-    def save(path: Path) -> None:
-        save_safetensors(path, {n: (_F32, a.shape, a) for n, a in tensors.items()}, metadata)
+def _mean(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], first: int, count: int | None = None
+) -> np.ndarray:
+    """The FP32 mean of sparse updates of one tensor, as ``reduce`` defines it, dense: of its
+    elements ``first`` to ``first + count`` (positions ascending), or of all ``first`` of them
+    (``count`` None)."""
+    with np.errstate(all="ignore"):
+        if count is None:
+            acc = np.zeros(first, dtype=np.float32)
+            for pos, values in parts:
+                acc[pos] = acc[pos] + values  # positions are unique within an update
+        else:
+            acc = np.zeros(count, dtype=np.float32)
+            for pos, values in parts:
+                lo, hi = np.searchsorted(pos, [first, first + count])
+                at = pos[lo:hi] - first
+                acc[at] = acc[at] + values[lo:hi]
+        np.divide(acc, np.float32(len(parts)), out=acc)
+    return acc
 
-    return save
+
+def _sparse(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions and values of a flat float32 array's entries that are not +0.0."""
+    pos = np.flatnonzero(dense.view(np.uint32))
+    return pos, dense[pos]
+
+
+def _joined(
+    pos_parts: list[np.ndarray], val_parts: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    if not pos_parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.float32)
+    return np.concatenate(pos_parts), np.concatenate(val_parts)
+
+
+def _dense_run(sent: tuple[np.ndarray, np.ndarray], first: int, count: int) -> np.ndarray:
+    """Elements ``first`` to ``first + count`` of a tensor given by its sent values."""
+    pos, values = sent
+    lo, hi = np.searchsorted(pos, [first, first + count])
+    run = np.zeros(count, dtype=np.float32)
+    run[pos[lo:hi] - first] = values[lo:hi]
+    return run
+
+
+def _open_update(stack: contextlib.ExitStack, path: str | Path) -> _UpdateStream:
+    """A loco patch file opened for reading tensor by tensor (closed with ``stack``)."""
+    try:
+        f = stack.enter_context(open(path, "rb"))  # noqa: SIM115 (closed with the stack)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}", path=path) from exc
+    return _UpdateStream(f, str(path))
+
+
+def _write_file(
+    path: Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    loco: dict[str, Any],
+    tensors: Iterator[tuple[np.ndarray, np.ndarray]],
+    level: int,
+) -> int:
+    """Write a loco patch to the new file ``path``, synced; returns its size."""
+    try:
+        with open(path, "xb") as f:
+            size = _write_patch(f, shapes, loco, tensors, level=level)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise os_error(exc, path) from exc
+    return size
