@@ -822,3 +822,25 @@ def test_file_commands_hold_runs_not_checkpoints(
     for a, b in zip(small, large, strict=True):
         assert b < 1.3 * a + 2**21, mib
     assert max(large) < one / 2, mib
+
+
+def test_an_input_cut_short_while_read_is_named_not_the_output(
+    trainer: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LOCAL is read while the outputs are written (beside it, in its folder): a read error is
+    LOCAL's, not taken for an error of the patch's temp; nothing is written."""
+    g, lo, r = trainer
+    opened = loco._F32Source.__init__
+
+    def open_then_cut(self: Any, path: Any) -> None:
+        opened(self, path)
+        if Path(path) == lo:
+            with open(lo, "r+b") as f:
+                f.truncate(lo.stat().st_size - 8)
+
+    monkeypatch.setattr(loco._F32Source, "__init__", open_then_cut)
+    with pytest.raises(InputError) as caught:
+        loco.encode_files(g, lo, r, g.parent / "pg.pulse")
+    assert caught.value.message.startswith(f"{lo}: file is shorter than its header says")
+    assert not (g.parent / "pg.pulse").exists() and not r.exists()
+    assert not list(g.parent.glob(TEMP_GLOB))
