@@ -218,28 +218,14 @@ def reduce(updates: Sequence[SparseUpdate]) -> SparseUpdate:
     given order that sent this element, then ``acc / K`` with ``K = len(updates)``. Entries whose
     mean is +0.0 are dropped (the dense result is the same).
     """
-    if not updates:
-        raise UsageError("reduce needs at least one pseudo-gradient")
+    visible = _reducible(updates)
     first = updates[0]
-    for k, u in enumerate(updates):
-        if u.kind != KIND_PSEUDO_GRADIENT:
-            raise UsageError(
-                f"update {k + 1} is a loco {u.kind!r}, not a pseudo-gradient; reduce the "
-                "trainers' patches from `pulsectl loco encode`"
-            )
-        if u.shapes != first.shapes:
-            raise UsageError(
-                f"update {k + 1} has other tensors than update 1 "
-                f"({_first_difference(first.shapes, u.shapes)}); all trainers must share one model"
-            )
     shapes, positions, values = {}, {}, {}
     for name, shape in first.shapes.items():
         parts = [(u.positions[name], u.values[name]) for u in updates]
         acc = _mean(parts, math.prod(shape))
         shapes[name] = shape
         positions[name], values[name] = _sparse(acc)
-    seen = {u.visible for u in updates}
-    visible = seen.pop() if len(seen) == 1 else None
     return SparseUpdate(shapes, positions, values, KIND_AVERAGE, len(updates), visible)
 
 
@@ -733,26 +719,10 @@ def reduce_files(
         [(f"patch {k + 1}", p, False) for k, p in enumerate(paths)] + [("-o", out, True)]
     )
     check_file_target(out, force)
-    if not paths:
-        raise UsageError("reduce needs at least one pseudo-gradient")
     with contextlib.ExitStack() as stack:
         streams = [_open_update(stack, p) for p in paths]
-        first = streams[0]
-        for k, u in enumerate(streams):  # as ``reduce`` checks them, from the headers
-            if u.kind != KIND_PSEUDO_GRADIENT:
-                raise UsageError(
-                    f"update {k + 1} is a loco {u.kind!r}, not a pseudo-gradient; reduce the "
-                    "trainers' patches from `pulsectl loco encode`"
-                )
-            if u.shapes != first.shapes:
-                raise UsageError(
-                    f"update {k + 1} has other tensors than update 1 "
-                    f"({_first_difference(first.shapes, u.shapes)}); all trainers must share "
-                    "one model"
-                )
-        shapes = first.shapes
-        seen = {u.visible for u in streams}
-        visible = seen.pop() if len(seen) == 1 else None
+        visible = _reducible(streams)  # from the headers, before any tensor is read
+        shapes = streams[0].shapes
         sent = 0
 
         def tensors() -> Iterator[Iterator[tuple[int, np.ndarray]]]:
@@ -1071,6 +1041,28 @@ def _not_from_zeros(name: str, tensor: str) -> CorruptPatchError:
         path=name,
         tensor=tensor,
     )
+
+
+def _reducible(updates: Sequence[SparseUpdate | _UpdateStream]) -> str | None:
+    """Refuse (UsageError) updates that cannot be averaged: none, one that is not a
+    pseudo-gradient, or another model than the first's. Returns the gate's precision they
+    share (None: mixed)."""
+    if not updates:
+        raise UsageError("reduce needs at least one pseudo-gradient")
+    first = updates[0]
+    for k, u in enumerate(updates):
+        if u.kind != KIND_PSEUDO_GRADIENT:
+            raise UsageError(
+                f"update {k + 1} is a loco {u.kind!r}, not a pseudo-gradient; reduce the "
+                "trainers' patches from `pulsectl loco encode`"
+            )
+        if u.shapes != first.shapes:
+            raise UsageError(
+                f"update {k + 1} has other tensors than update 1 "
+                f"({_first_difference(first.shapes, u.shapes)}); all trainers must share one model"
+            )
+    seen = {u.visible for u in updates}
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _check_shapes(
