@@ -736,9 +736,13 @@ def refuse_stdout_as_input(inputs: Sequence[object], what: str) -> None:
         except OSError:
             continue
         if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
+            # `> B` has emptied B before this process started: nothing here can undo that.
+            emptied = (
+                " (it is empty now: the shell's '>' emptied it first)" if not st.st_size else ""
+            )
             raise UsageError(
-                f"standard output is {os.fspath(item)}, an input of this command; write the "
-                f"{what} elsewhere"
+                f"standard output is {os.fspath(item)}, an input of this command{emptied}; "
+                f"write the {what} elsewhere"
             )
         if where is not None and stat.S_ISDIR(st.st_mode):
             refuse_inside_folder_input(where, [item], what)

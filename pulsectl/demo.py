@@ -11,7 +11,7 @@ from pulsectl import _placed
 from pulsectl._atomic import missing_folder, os_error
 from pulsectl.apply import apply_patches
 from pulsectl.diff import diff_to_path
-from pulsectl.errors import OutputError, UsageError
+from pulsectl.errors import OutputError, UsageError, counted
 from pulsectl.info import verify_checkpoint
 from pulsectl.synth import PRESETS, generate_chain
 
@@ -51,7 +51,8 @@ def run_demo(
 
 
 def _run(root: Path, shape: str, steps: int, lr: float, say: Callable[[str], None]) -> list[Path]:
-    say(f"building a '{shape}' checkpoint chain: {steps} AdamW steps at lr {lr:g}, BF16 casts")
+    adam = counted(steps, "AdamW step")
+    say(f"building a '{shape}' checkpoint chain: {adam} at lr {lr:g}, BF16 casts")
     chain = generate_chain(root / "chain", shape=shape, steps=steps, lr=lr, seed=0)
     size = chain[0].stat().st_size
     say(f"  {len(chain)} checkpoints of {size:,} bytes in {root / 'chain'}")

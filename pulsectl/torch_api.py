@@ -233,7 +233,7 @@ def _wait_for_queued_work(tensors: Iterable[torch.Tensor]) -> None:
 
 
 def _workers(workers: int | None) -> int:
-    """``workers``, or all cores (at most 16) for None; anything but a positive int refused."""
+    """``workers``, or one per core (up to 16) for None; anything but a positive int refused."""
     if workers is None:
         return default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:

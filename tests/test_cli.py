@@ -346,10 +346,6 @@ def test_library_usage_errors_exit_2(
             "--blocks writes several files: give -o PATCH (not stdout)",
         ),
         (
-            ["prune", "x", "--keep-anchors", "0", "--keep-steps", "0"],
-            "--keep-anchors 0 --keep-steps 0 would delete every step; keep at least one",
-        ),
-        (
             ["loco", "encode", "-g", "g", "-l", "w", "-r", "r", "-o", "o", "--visible", "f32"],
             "--visible 'f32': choose one of bf16, f16, f8_e4m3",
         ),

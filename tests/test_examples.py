@@ -161,10 +161,12 @@ def demo_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The README's stats walk-through: its setup line, run as written."""
     section = README.read_text().split("## How sparse are my updates?")[1]
     setup = _FENCE.findall(section)[0][1].strip()
-    assert setup == "pulsectl demo --keep demo --steps 4 && cd demo/chain"
+    # Its own folder: the README's opening already made `demo` (found in review: reusing it
+    # failed, "is a folder that is not empty").
+    assert setup == "pulsectl demo --keep demo4 --steps 4 && cd demo4/chain"
     root = tmp_path_factory.mktemp("readme")
     _pulsectl(setup.split(" && ")[0], root)
-    return root / "demo" / "chain"
+    return root / "demo4" / "chain"
 
 
 def test_readme_stats_example_is_what_stats_prints(demo_chain: Path):

@@ -441,3 +441,11 @@ def test_standard_output_that_is_an_input_is_refused(ab: Path) -> None:
     r = sh("pulsectl diff a.safetensors b.safetensors > p.pulse && "
            "pulsectl squash p.pulse -o - >> p.pulse", ab)  # fmt: skip
     assert r.returncode == 2 and "standard output is p.pulse" in r.stderr.decode()
+    # `> B`: the shell empties B before pulsectl starts; the error says so (found in review:
+    # "nothing written" read as if B were safe).
+    r = sh("pulsectl diff a.safetensors b.safetensors > b.safetensors", ab)
+    assert r.returncode == 2, r.stderr
+    assert one_error_line(r.stderr) == (
+        "pulsectl: error: standard output is b.safetensors, an input of this command (it is "
+        "empty now: the shell's '>' emptied it first); write the patch elsewhere"
+    )

@@ -409,8 +409,11 @@ def test_prune_keeps_what_kept_steps_need(
     assert prune(store2, keep_anchors=3, keep_steps=1).kept_steps == (10, 20, 30)
     pull(store2, out, step=10, force=True)
     assert out.read_bytes() == trainer_chain[10].read_bytes()
-    with pytest.raises(UsageError):
-        prune(store2, keep_anchors=0, keep_steps=0)
+    # Keeping nothing keeps the latest step all the same, with its chain back to its anchor
+    # (found in review: 0 and 0 were refused as "would delete every step", which they do not).
+    assert prune(store2, keep_anchors=0, keep_steps=0).kept_steps == (30,)
+    pull(store2, out, step=30, force=True)
+    assert out.read_bytes() == trainer_chain[30].read_bytes()
 
 
 def test_prefetch_overlaps_fetch_and_apply(

@@ -11,7 +11,11 @@ Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite the output
 Workers = Annotated[
     int | None,
     typer.Option(
-        "--workers", "-j", min=1, metavar="N", help="Worker threads (default: all cores, max 16)."
+        "--workers",
+        "-j",
+        min=1,
+        metavar="N",
+        help="Worker threads (default: one per core, up to 16).",
     ),
 ]
 _CKPT_HELP = "A .safetensors file or a Hugging Face checkpoint folder."

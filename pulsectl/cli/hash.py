@@ -18,9 +18,10 @@ def hash_(
         typer.Argument(metavar="CKPT...", help="Safetensors files or checkpoint folders."),
     ],
 ) -> None:
-    """Print '<fingerprint>  <path>' for each checkpoint (the fingerprint patches record).
+    """Print each checkpoint's fingerprint (the one patches record) and path, as sha256sum.
 
-    A path with a line break or backslash is escaped as sha256sum does. Like sha256sum, a
+    One line '<fingerprint>  <path>' per checkpoint; a path with a line break or backslash is
+    escaped as sha256sum does. Like sha256sum, a
     checkpoint that cannot be read (missing, malformed) gets an error line on stderr and the
     others are still hashed; the exit status is then the highest of those errors' codes (1 for
     a missing or malformed checkpoint), 0 when every checkpoint was hashed."""

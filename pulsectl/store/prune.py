@@ -40,11 +40,6 @@ def plan_prune(store: Store, keep_anchors: int, keep_steps: int) -> PrunePlan:
     """What ``prune`` would delete."""
     if keep_anchors < 0 or keep_steps < 0:
         raise UsageError("--keep-anchors and --keep-steps take 0 or more", option="--keep-steps")
-    if keep_anchors == 0 and keep_steps == 0:
-        raise UsageError(
-            "--keep-anchors 0 --keep-steps 0 would delete every step; keep at least one",
-            option="--keep-steps",
-        )
     catalog = Catalog(store)
     catalog.require_store()
     manifests = {m.step: m for m in catalog.load_all()}
