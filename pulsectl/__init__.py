@@ -1,3 +1,3 @@
 """pulsectl: lossless, compact diffs of safetensors checkpoints."""
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"

@@ -31,6 +31,8 @@ DTYPES: dict[str, DType] = {
         _d("F8_E5M2", 8, 1, True),
         _d("F8_E4M3", 8, 1, True),
         _d("F8_E8M0", 8, 1, True),
+        _d("F8_E4M3FNUZ", 8, 1, True),  # AMD's FP8 (MI300): one NaN, no -0, bias one higher
+        _d("F8_E5M2FNUZ", 8, 1, True),
         _d("F4", 4, 1, True),
         _d("F6_E2M3", 6, 1, True),
         _d("F6_E3M2", 6, 1, True),

@@ -71,6 +71,8 @@ for _name, _st in (
     ("uint32", "U32"),
     ("uint64", "U64"),
     ("float8_e8m0fnu", "F8_E8M0"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
 ):
     if hasattr(torch, _name):
         TORCH_TO_SAFETENSORS[getattr(torch, _name)] = _st

@@ -26,11 +26,11 @@ TRAILER_TAG = b"PTRL"
 FRAME_TAG = b"PFRM"
 MiB = 1 << 20
 
-# The 20 dtypes of FORMAT.md (Header, `items`): word width, and bits per element.
+# The 22 dtypes of FORMAT.md (Header, `items`): word width, and bits per element.
 WORD = {}
 BITS = {}
 for _names, _word, _bits in (
-    (("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 1, 8),
+    (("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"), 1, 8),
     (("F6_E2M3", "F6_E3M2"), 1, 6),
     (("F4",), 1, 4),
     (("F16", "BF16", "I16", "U16"), 2, 16),

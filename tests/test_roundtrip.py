@@ -36,6 +36,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
     "I8": torch.int8,
     "I16": torch.int16,
     "I32": torch.int32,
@@ -43,7 +45,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-# Two NaNs with different payloads per float dtype (little-endian word values).
+# Two NaNs with different payloads per float dtype (little-endian word values); the FNUZ FP8
+# types have one NaN word (0x80), which random bytes hold often enough.
 NANS = {
     "BF16": (0x7FC0, 0xFFC1),
     "F16": (0x7E00, 0x7E01),

@@ -66,6 +66,8 @@ KEYS: dict[str, tuple[int, int]] = {
     "F64": (52, 11),
     "F8_E4M3": (3, 4),
     "F8_E5M2": (2, 5),
+    "F8_E4M3FNUZ": (3, 4),
+    "F8_E5M2FNUZ": (2, 5),
 }
 
 
