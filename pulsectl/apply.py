@@ -583,6 +583,9 @@ def _apply_parts(
     return computed_files, target_fp
 
 
+_USUAL_FIX = "apply the patch to the checkpoint it was made from"
+
+
 def _other_dtype_hint(header: PatchHeader, item: Item, found: TensorInfo | None) -> str:
     """The fix for a base tensor of the wrong size: the usual one, or, when the base has the
     tensor in another float dtype than the patch (an FP32 master against its BF16 cast, a BF16
@@ -590,7 +593,7 @@ def _other_dtype_hint(header: PatchHeader, item: Item, found: TensorInfo | None)
     from pulsectl.cast import CAST_SOURCES
     from pulsectl.cast import TARGETS as CAST_TARGETS
 
-    usual = "apply the patch to the checkpoint it was made from"
+    usual = _USUAL_FIX
     stored = header.files[item.file].header
     want = None
     if found is not None and stored is not None:
@@ -644,14 +647,10 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
                     )
                 found_size, start = info.nbytes, info.start
             if found_size != item.nbytes:
-                raise IntegrityError(
-                    f"{base.files[item.base_file].path}: wrong base for {reader.name}: "
-                    f"{'tensor ' + repr(item.base_name) if item.base_name else 'the file'} has "
-                    f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; "
-                    + _other_dtype_hint(header, item, info),
-                    path=str(base.files[item.base_file].path),
-                    tensor=item.base_name,
-                )
+                # A file of another size (a config.json that `cast` rewrote) says less than
+                # a tensor in another dtype (the step that was missed): that one first.
+                cast = None if info is not None else _cast_mismatch(reader.name, header, base)
+                raise cast or _size_mismatch(reader.name, header, item, base, found_size, info)
         n = blocks_in(item.nbytes, bb)
         if n == 0:  # an empty tensor: a frame with no blocks
             yield _Block(p, index, 0, True, item.file, item.start, 0, None, None)
@@ -702,6 +701,45 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
     if not partial and step != len(first.items):
         raise CorruptPatchError(f"{parts[0][0].name}: items are not in file order")
     return plan
+
+
+def _size_mismatch(
+    patch: str,
+    header: PatchHeader,
+    item: Item,
+    base: Checkpoint,
+    found_size: int,
+    info: TensorInfo | None,
+) -> IntegrityError:
+    assert item.base_file is not None
+    where = base.files[item.base_file].path
+    return IntegrityError(
+        f"{where}: wrong base for {patch}: "
+        f"{'tensor ' + repr(item.base_name) if item.base_name else 'the file'} has "
+        f"{found_size:,} bytes, the patch's base had {item.nbytes:,}; "
+        + _other_dtype_hint(header, item, info),
+        path=str(where),
+        tensor=item.base_name,
+    )
+
+
+def _cast_mismatch(patch: str, header: PatchHeader, base: Checkpoint) -> IntegrityError | None:
+    """The error of the first tensor the patch reads that BASE has in another float dtype
+    (``_other_dtype_hint``), if any."""
+    for item in header.items:
+        if item.base_file is None or item.base_name is None:
+            continue
+        st = base.files[item.base_file].header
+        info = (
+            None if st is None else next((t for t in st.tensors if t.name == item.base_name), None)
+        )
+        if (
+            info is not None
+            and info.nbytes != item.nbytes
+            and _other_dtype_hint(header, item, info) != _USUAL_FIX
+        ):
+            return _size_mismatch(patch, header, item, base, info.nbytes, info)
+    return None
 
 
 def _empty() -> tuple[None, np.ndarray]:

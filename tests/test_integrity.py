@@ -438,6 +438,41 @@ def test_fp32_patch_and_bf16_base_mixed_up_name_the_fix(
     assert main(["-q", "apply", str(anchor), str(cast), "-o", str(out)]) == 0
 
 
+def test_a_folder_whose_config_cast_rewrote_still_names_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Hugging Face folder: `cast` rewrites config.json's torch_dtype, and config.json comes
+    before the shards, so its size was the error ('the file has 26 bytes'), not the missed
+    step (found in review). The tensor in another dtype is named first."""
+    torch.manual_seed(0)
+    folders = []
+    for step in (0, 1):
+        folder = tmp_path / f"m{step}"
+        folder.mkdir()
+        w = torch.randn(64, 32) + step * 1e-2
+        save_file({"w": w}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text('{"torch_dtype": "float32"}')
+        folders.append(folder)
+    anchor, cast = tmp_path / "anchor", tmp_path / "cast.pulse"
+    assert main(["-q", "cast", str(folders[0]), "--to", "bf16", "-o", str(anchor)]) == 0
+    assert (anchor / "config.json").stat().st_size != (folders[0] / "config.json").stat().st_size
+    assert main(["-q", "diff", *map(str, folders), "--as", "bf16", "-o", str(cast)]) == 0
+    out = tmp_path / "out"
+    assert main(["apply", str(folders[0]), str(cast), "-o", str(out)]) == 3
+    assert capsys.readouterr().err.strip() == (
+        f"pulsectl: error: {folders[0] / 'model.safetensors'}: wrong base for {cast}: tensor 'w' "
+        "has 8,192 bytes, the patch's base had 4,096; it is F32 here, BF16 in the patch; the "
+        "patch was made with --as bf16: apply it to the cast of the checkpoint it was made from "
+        "(pulsectl cast CKPT --to bf16)"
+    )
+    assert not out.exists()
+    assert main(["-q", "apply", str(anchor), str(cast), "-o", str(out)]) == 0
+    # Only the config differs (no tensor in another dtype): its size is the error.
+    (anchor / "config.json").write_text('{"torch_dtype": "bfloat16", "x": 1}')
+    assert main(["apply", str(anchor), str(cast), "-o", str(tmp_path / "out2")]) == 3
+    assert "config.json: wrong base for" in capsys.readouterr().err
+
+
 def test_bf16_patch_and_fp8_cast_mixed_up_name_the_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
