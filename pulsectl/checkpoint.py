@@ -139,6 +139,11 @@ def _other_format(prefix: bytes) -> str:
         return f"a pickle (an older torch.save .bin?), {torch_file}"
     if prefix.startswith(b"GGUF"):
         return "a GGUF file, not a safetensors file"
+    if prefix.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] in (b"{", b"["):
+        return (
+            "a JSON file, not a safetensors file; for a Hugging Face checkpoint, give its folder "
+            "(model.safetensors.index.json and config.json are read from there)"
+        )
     if prefix == b"version ":  # "version https://git-lfs.github.com/spec/v1"
         return (
             "a Git LFS pointer, not the file's content (a clone without git-lfs?); fetch the "

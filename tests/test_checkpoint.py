@@ -482,18 +482,29 @@ def test_file_shorter_than_8_bytes(tmp_path: Path) -> None:
 
 def test_other_formats_are_named(tmp_path: Path) -> None:
     """Files people mistake for safetensors ones are named by what they are: torch.save's zip
-    and its older pickle (written by torch here), a GGUF file and a .pulse patch."""
+    and its older pickle (written by torch here), a GGUF file, a .pulse patch and JSON."""
     state = {"w": torch.zeros(3)}
     torch.save(state, tmp_path / "new.pt")
     torch.save(state, tmp_path / "old.bin", _use_new_zipfile_serialization=False)
     (tmp_path / "m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(32))
     (tmp_path / "p.pulse").write_bytes(MAGIC + bytes(32))
+    # A folder's index or config given for the checkpoint (found in review: 'header length
+    # 8387229874382703227 exceeds the 104857600-byte limit').
+    index = {"metadata": {"total_size": 8}, "weight_map": {"w": "model.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp_path / "config.json").write_text('\n{"torch_dtype": "bfloat16"}')
     convert = "not a safetensors file; convert the state dict with safetensors.torch.save_file"
+    folder = (
+        "a JSON file, not a safetensors file; for a Hugging Face checkpoint, give its folder "
+        "(model.safetensors.index.json and config.json are read from there)"
+    )
     expected = {
         "new.pt": f"a zip archive (torch.save's .pt or .bin?), {convert}",
         "old.bin": f"a pickle (an older torch.save .bin?), {convert}",
         "m.gguf": "a GGUF file, not a safetensors file",
         "p.pulse": "a .pulse patch, not a safetensors file",
+        "model.safetensors.index.json": folder,
+        "config.json": folder,
     }
     for name, message in expected.items():
         with pytest.raises(FormatError) as info:
