@@ -175,15 +175,11 @@ def _parse_entry(name: str, entry: object, data_start: int, path: str | Path) ->
 
     if not isinstance(entry, dict):
         raise fail(f"entry must be a JSON object, got {type(entry).__name__}")
-    if entry.keys() != _ENTRY_KEYS:
-        missing = sorted(_ENTRY_KEYS - entry.keys())
-        extra = sorted(entry.keys() - _ENTRY_KEYS)
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing)}")
-        if extra:  # the file's own keys: quoted, so that none can break the line
-            parts.append(f"unexpected {', '.join(map(repr, extra))}")
-        raise fail(f"entry must have exactly dtype, shape, data_offsets ({'; '.join(parts)})")
+    # Other keys are ignored, as the official reader ignores them (its entry type does not deny
+    # unknown fields); the header's bytes travel unchanged all the same.
+    missing = sorted(_ENTRY_KEYS - entry.keys())
+    if missing:
+        raise fail(f"entry must have dtype, shape, data_offsets (missing {', '.join(missing)})")
     dtype = entry["dtype"]
     if not isinstance(dtype, str):
         raise fail(f"dtype must be a string, got {dtype!r}")
@@ -291,6 +287,8 @@ def parse_header(raw: bytes, file_size: int, path: str | Path = "<bytes>") -> Sa
     tensors: list[TensorInfo] = []
     for name, entry in doc.items():
         if name == METADATA_KEY:
+            if entry is None:  # null: no metadata, as the official reader takes it
+                continue
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
                 raise FormatError(
                     f"{path}: {METADATA_KEY} must be an object of string values", path=path
