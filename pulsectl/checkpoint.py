@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -459,7 +460,16 @@ class Checkpoint:
             if info.name in index:
                 first = index[info.name][0]
                 fix = "remove one copy"
-                if first.relpath.rpartition("/")[0] != entry.relpath.rpartition("/")[0]:
+                variant = _variant_of(first.relpath, entry.relpath)
+                if variant is not None:
+                    # diffusers/transformers variants: X.safetensors beside X.fp16.safetensors,
+                    # one model in two dtypes, not two copies of it.
+                    fix = (
+                        f"these look like two variants of one model ({variant}); tensors are "
+                        "matched by name across a folder checkpoint, so diff each variant in a "
+                        "folder of its own (one that holds its files only)"
+                    )
+                elif first.relpath.rpartition("/")[0] != entry.relpath.rpartition("/")[0]:
                     # Most likely a pipeline of models (diffusers: text_encoder/ and
                     # text_encoder_2/), whose tensor names repeat from model to model.
                     fix = (
@@ -494,6 +504,27 @@ class Checkpoint:
     def file(self, relpath: str) -> FileEntry | None:
         """The file at ``relpath`` ("" for a single-file checkpoint), or None."""
         return self._file_index.get(relpath)
+
+
+def _variant_of(a: str, b: str) -> str | None:
+    """The variant name when ``a`` and ``b`` are one model's file in two variants, in the
+    naming of diffusers and transformers (``X.safetensors`` and ``X.fp16.safetensors``, shards
+    ``X-00001-of-00002.safetensors`` and ``X.fp16-00001-of-00002.safetensors``), else None."""
+    if a.rpartition("/")[0] != b.rpartition("/")[0]:
+        return None
+
+    def split(relpath: str) -> tuple[str, str]:
+        stem = relpath.rpartition("/")[2].removesuffix(SAFETENSORS_SUFFIX)
+        shard = re.search(r"-\d+-of-\d+$", stem)
+        if shard is not None:
+            stem = stem[: shard.start()]
+        model, _, variant = stem.partition(".")
+        return model, variant
+
+    (model_a, variant_a), (model_b, variant_b) = split(a), split(b)
+    if model_a != model_b or variant_a == variant_b:
+        return None
+    return " and ".join(repr(v or "default") for v in sorted((variant_a, variant_b)))
 
 
 def _tensor_bytes(

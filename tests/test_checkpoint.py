@@ -837,6 +837,38 @@ def test_directory_duplicate_tensor_across_shards(tmp_path: Path) -> None:
     assert info.value.tensor == "lm_head.weight"
 
 
+@pytest.mark.parametrize(
+    ("files", "variants"),
+    [
+        (["unet/m.safetensors", "unet/m.fp16.safetensors"], "'default' and 'fp16'"),
+        (
+            ["m.fp16-00001-of-00002.safetensors", "m-00001-of-00002.safetensors"],
+            "'default' and 'fp16'",
+        ),
+        (["m.bf16.safetensors", "m.fp16.safetensors"], "'bf16' and 'fp16'"),
+        (["a.safetensors", "b.safetensors"], None),  # two files, not variants: one copy too many
+    ],
+)
+def test_variants_of_one_model_in_a_folder_are_named(
+    tmp_path: Path, files: list[str], variants: str | None
+) -> None:
+    """Found in review: X.safetensors beside X.fp16.safetensors (diffusers and transformers
+    variants) were told to 'remove one copy'; they are one model in two dtypes."""
+    root = tmp_path / "ckpt"
+    for k, relpath in enumerate(files):
+        (root / relpath).parent.mkdir(parents=True, exist_ok=True)
+        dtype = np.float32 if k == 0 else np.float16
+        safetensors.numpy.save_file({"w": np.zeros(2, dtype)}, root / relpath)
+    with pytest.raises(FormatError) as info:
+        Checkpoint.open(root)
+    message = str(info.value)
+    if variants is None:
+        assert message.endswith("; remove one copy"), message
+    else:
+        assert f"these look like two variants of one model ({variants}); " in message, message
+        assert "diff each variant in a folder of its own" in message
+
+
 def test_directory_nested_relpaths_sorted_as_strings(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     (root / "a" / "b").mkdir(parents=True)
