@@ -79,7 +79,7 @@ def inspect(
         table.add_row(
             shown(t["name"] or t["file"]),
             t["dtype"] or "blob",
-            "x".join(map(str, t["shape"])) if t["shape"] is not None else "",
+            shape_text(t["shape"]),
             f"{changed:,}",
             f"{changed / words:.3%}" if words else "-",
             f"{t['encoded_bytes']:,}",
@@ -97,3 +97,11 @@ def _size(n: int | None) -> str:
             return f"{n:,} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return str(n)
+
+
+def shape_text(shape: list[int] | None) -> str:
+    """A tensor's shape as the tables show it: 4096x64, 'scalar' for a 0-d tensor, '' for a
+    blob."""
+    if shape is None:
+        return ""
+    return "x".join(map(str, shape)) if shape else "scalar"

@@ -130,10 +130,11 @@ def _show_update(out: Output, doc: dict[str, Any], top: int) -> None:
     else:
         cast = f" (as {inputs['as']})" if inputs["as"] else ""
         what = f"{shown(inputs['old'])} -> {shown(inputs['new'])}{cast}"
+    changed = sum(1 for t in doc["tensors"] if t["changed_words"])
     lines = [
         f"update         {what}",
         f"changed words  {total['changed_words']:,} of {total['words']:,} "
-        f"({total['density']:.4%}) in {counted(total['tensors'], 'tensor')}",
+        f"({total['density']:.4%}) in {changed:,} of {counted(total['tensors'], 'tensor')}",
     ]
     if total["patch_bytes"] is not None:
         per = total["bytes_per_change"]
