@@ -203,8 +203,8 @@ def _encode_run(
     if r is None:
         r = np.zeros_like(g)
     with np.errstate(all="ignore"):
-        s = np.add(r, np.subtract(g, lo))
-        w = np.subtract(g, s)
+        s = _ieee(np.add, r, _ieee(np.subtract, g, lo))
+        w = _ieee(np.subtract, g, s)
     pos = np.flatnonzero(visible_words(g, visible) != visible_words(w, visible))
     sent = s[pos]
     s[pos] = 0.0
@@ -254,12 +254,29 @@ def outer_step(
     new_momentum: Tensors = {}
     for name in sorted(global_):
         g = _f32(global_[name], name)
-        u = _f32(dense[name], name).reshape(g.shape)
-        m = None if momentum is None or plain else _f32(momentum[name], name).reshape(g.shape)
-        new_global[name], m2 = _step_run(g, u, m, lr32, beta32, plain)
+        u = _f32(dense[name], name).reshape(-1)
+        m = None if momentum is None or plain else _f32(momentum[name], name).reshape(-1)
+        g2, m2 = _step_run(g.reshape(-1), u, m, lr32, beta32, plain)
+        new_global[name] = g2.reshape(g.shape)
         if m2 is not None:
-            new_momentum[name] = m2
+            new_momentum[name] = m2.reshape(g.shape)
     return new_global, None if plain else new_momentum
+
+
+_QUIET = np.uint32(0x00400000)  # the quiet bit of an FP32 NaN
+
+
+def _ieee(op: np.ufunc, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``op(x, y)`` on flat FP32 arrays, with one rule where IEEE 754 leaves a choice: when both
+    operands are NaN, the result is the first one's NaN, quieted. numpy's loops return either
+    operand's, by the array's length and the machine (found in review: a run streamed from a
+    file and the same elements in a whole tensor gave different NaN words)."""
+    z = op(x, y)
+    if np.isnan(np.sum(z)):  # any NaN (or an overflowing sum): rare in weights, then look
+        both = np.isnan(x) & np.isnan(y)
+        if both.any():
+            z[both] = (x[both].view(np.uint32) | _QUIET).view(np.float32)
+    return z
 
 
 def _step_run(
@@ -273,10 +290,10 @@ def _step_run(
     """``outer_step`` on a run of elements: the new weights and momentum (None if ``plain``)."""
     with np.errstate(all="ignore"):
         if plain:
-            return np.subtract(g, u), None
-        m2 = u.copy() if m is None else np.add(np.multiply(beta32, m), u)
-        d = np.add(u, np.multiply(beta32, m2))
-        return np.subtract(g, np.multiply(lr32, d)), m2
+            return _ieee(np.subtract, g, u), None
+        m2 = u.copy() if m is None else _ieee(np.add, np.multiply(beta32, m), u)
+        d = _ieee(np.add, u, np.multiply(beta32, m2))
+        return _ieee(np.subtract, g, np.multiply(lr32, d)), m2
 
 
 def check_outer(lr: float, beta: float) -> tuple[np.float32, np.float32]:
@@ -438,6 +455,13 @@ class _UpdateStream:
         self.trainers: int = loco["trainers"]
         self.visible: str | None = loco["visible"]
         self._st = _check_zero_base(self._header, self.name)
+        names = [t.name for t in self._st.tensors]
+        if names != sorted(names):
+            # FORMAT.md: laid out as save_safetensors lays them out, by name. The commands read
+            # the patches of several trainers side by side, tensor by tensor, in that order.
+            raise CorruptPatchError(
+                f"{self.name}: tensors are not laid out by name; not a loco patch", path=self.name
+            )
         self.shapes = {t.name: t.shape for t in self._st.tensors}
         self._whole = new_hasher()
         self._whole.update(struct.pack("<Q", len(self._st.raw)) + self._st.raw)
@@ -726,14 +750,11 @@ def reduce_files(
         sent = 0
 
         def tensors() -> Iterator[Iterator[tuple[int, np.ndarray]]]:
-            """Each tensor's mean as runs of elements (first, dense run), in name order; every
-            patch is checked after its last tensor."""
+            """Each tensor's mean as runs of elements (first, dense run), in name order."""
             for name in sorted(shapes):
                 parts = [u.next_tensor() for u in streams]
                 numel = math.prod(shapes[name])
                 yield ((first, _mean(parts, first, count)) for first, count in _runs(numel))
-            for u in streams:
-                u.finish()
 
         def sparse() -> Iterator[tuple[np.ndarray, np.ndarray]]:
             nonlocal sent
@@ -751,12 +772,16 @@ def reduce_files(
             if not dense:
                 loco = _loco_doc(KIND_AVERAGE, len(streams), visible)
                 _write_file(tmps[0], shapes, loco, sparse(), level)
-                return
-            with _F32Sink(tmps[0], shapes, None) as sink:
-                for runs in tensors():
-                    for _, acc in runs:
-                        sink.write(acc)
-                        sent += int(np.count_nonzero(acc.view(np.uint32)))
+            else:
+                with _F32Sink(tmps[0], shapes, None) as sink:
+                    for runs in tensors():
+                        for _, acc in runs:
+                            sink.write(acc)
+                            sent += int(np.count_nonzero(acc.view(np.uint32)))
+            # Every patch checked to its end (trailer, fingerprints) before the output counts
+            # (found in review: after its last tensor, a generator is not resumed).
+            for u in streams:
+                u.finish()
 
         commit_together([out], write)
     total = sum(math.prod(shape) for shape in shapes.values())
@@ -1088,13 +1113,13 @@ def _mean(
         if count is None:
             acc = np.zeros(first, dtype=np.float32)
             for pos, values in parts:
-                acc[pos] = acc[pos] + values  # positions are unique within an update
+                acc[pos] = _ieee(np.add, acc[pos], values)  # positions are unique in an update
         else:
             acc = np.zeros(count, dtype=np.float32)
             for pos, values in parts:
                 lo, hi = np.searchsorted(pos, [first, first + count])
                 at = pos[lo:hi] - first
-                acc[at] = acc[at] + values[lo:hi]
+                acc[at] = _ieee(np.add, acc[at], values[lo:hi])
         np.divide(acc, np.float32(len(parts)), out=acc)
     return acc
 

@@ -844,3 +844,125 @@ def test_an_input_cut_short_while_read_is_named_not_the_output(
     assert caught.value.message.startswith(f"{lo}: file is shorter than its header says")
     assert not (g.parent / "pg.pulse").exists() and not r.exists()
     assert not list(g.parent.glob(TEMP_GLOB))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_reduce_checks_each_patch_to_its_end(
+    trainer: tuple[Path, Path, Path], dense: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found in review: streaming, reduce (patch output) never resumed its reader after the
+    last tensor, so a patch cut short in its trailer (a copy still arriving) was averaged and
+    written (exit 0). Every patch is read to its end, trailer and fingerprints, first."""
+    g, lo, r = trainer
+    pg = g.parent / "pg.pulse"
+    loco.encode_files(g, lo, r, pg)
+    cut = g.parent / "cut.pulse"
+    cut.write_bytes(pg.read_bytes()[:-40])
+    out = g.parent / ("avg.safetensors" if dense else "avg.pulse")
+    args = ["loco", "reduce", str(pg), str(cut), "-o", str(out)] + (["--dense"] if dense else [])
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert err.startswith(f"pulsectl: error: {cut}: ") and err.count("\n") == 1, err
+    assert not out.exists() and not list(g.parent.glob(TEMP_GLOB))
+    with pytest.raises(CorruptPatchError):
+        loco.step_files(g, cut, g.parent / "g2.safetensors", plain=True)
+    assert not (g.parent / "g2.safetensors").exists()
+
+
+def test_a_patch_not_laid_out_by_name_is_refused(tmp_path: Path) -> None:
+    """FORMAT.md: a loco patch's tensors are laid out by name. The commands read several
+    patches side by side in that order; one laid out otherwise (every checksum valid) had its
+    tensors' values swapped (found in review). It is refused, as not a loco patch."""
+    import math
+
+    from pulsectl.checkpoint import HEADER_ALIGN, parse_header
+
+    def by_name_reversed(shapes: dict[str, tuple[int, ...]]) -> Any:
+        doc, offset = {}, 0
+        for name in sorted(shapes, reverse=True):
+            nbytes = 4 * math.prod(shapes[name])
+            doc[name] = {
+                "dtype": "F32",
+                "shape": list(shapes[name]),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % HEADER_ALIGN)
+        return parse_header(raw, 8 + len(raw) + offset, "<reversed>")
+
+    update = loco.SparseUpdate.from_dense(
+        {"a": np.full(16, 1.0, np.float32), "b": np.full((4, 4), 1000.0, np.float32)}
+    )
+    st = by_name_reversed(update.shapes)
+    runs = iter([(update.positions[t.name], update.values[t.name]) for t in st.tensors])
+    buf = io.BytesIO()
+    real = loco._target_header
+    loco._target_header = by_name_reversed  # type: ignore[assignment]
+    try:
+        loco._write_patch(buf, update.shapes, loco._loco_doc(update.kind, 1, "bf16"), runs)
+    finally:
+        loco._target_header = real  # type: ignore[assignment]
+    patch = tmp_path / "reversed.pulse"
+    patch.write_bytes(buf.getvalue())
+    assert [i["name"] for i in read_patch_info(patch).to_json()["tensors"]] == ["b", "a"]
+    with pytest.raises(CorruptPatchError, match="tensors are not laid out by name"):
+        loco.read_update(patch)
+    with pytest.raises(CorruptPatchError, match="tensors are not laid out by name"):
+        loco.reduce_files([patch], tmp_path / "avg.pulse")
+    assert not (tmp_path / "avg.pulse").exists()
+
+
+def test_two_nans_give_the_first_ones_quieted_whatever_the_run() -> None:
+    """IEEE 754 leaves open which NaN comes of two; numpy's loops give either operand's, by
+    the array's length (found in review: a streamed last run and the whole tensor differed).
+    loco takes the first operand's, quieted, so the file commands (runs) and the library
+    (whole tensors) agree bit for bit."""
+    first = np.array([0x7FC00001, 0xFF800002, 0x7FC00003], np.uint32).view(np.float32)
+    second = np.array([0xFFC00004, 0x7FC00005, 0x3F800000], np.uint32).view(np.float32)
+    for n in (1, 3, 5, 17, 1031):  # the scalar tail and the vector body of numpy's loops
+        x, y = np.resize(first, n), np.resize(second, n)
+        with np.errstate(all="ignore"):
+            got = loco._ieee(np.add, x, y).view(np.uint32)
+        want = np.resize(np.array([0x7FC00001, 0xFFC00002, 0x7FC00003], np.uint32), n)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("run", [7, 1 << 22])
+def test_file_commands_with_nans_match_the_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: int
+) -> None:
+    """NaNs of several payloads in G, L, R and the momentum, meeting in one operation: the file
+    commands (in runs) and the library (whole tensors) give the same bytes."""
+    monkeypatch.setattr(loco, "_RUN", run)
+    rng = np.random.default_rng(70)
+
+    def with_nans(seed: int) -> dict[str, np.ndarray]:
+        w = _model(seed)
+        flat = w["big"].reshape(-1)
+        at = rng.choice(flat.size, 40, replace=False)
+        flat.view(np.uint32)[at] = rng.integers(0x7F800001, 0x7FFFFFFF, 40, dtype=np.uint32) | (
+            rng.integers(0, 2, 40, dtype=np.uint32) << 31
+        )
+        return w
+
+    g, local, residual, momentum = (with_nans(s) for s in (71, 72, 73, 74))
+    gp, lp = _save(tmp_path / "g.safetensors", g), _save(tmp_path / "l.safetensors", local)
+    rp, pg = _save(tmp_path / "r.safetensors", residual), tmp_path / "pg.pulse"
+    loco.encode_files(gp, lp, rp, pg)
+    want_u, want_r = loco.encode(g, local, residual)
+    assert pg.read_bytes() == loco.dumps(want_u)
+    assert rp.read_bytes() == _save(tmp_path / "want_r.safetensors", want_r).read_bytes()
+    avg = tmp_path / "avg.pulse"
+    other = tmp_path / "pg1.pulse"
+    loco.encode_files(gp, lp, tmp_path / "r1.safetensors", other)
+    loco.reduce_files([pg, other], avg)
+    want_avg = loco.reduce([want_u, loco.encode(g, local)[0]])
+    assert avg.read_bytes() == loco.dumps(want_avg)
+    mp = _save(tmp_path / "m.safetensors", momentum)
+    out = tmp_path / "g2.safetensors"
+    loco.step_files(gp, avg, out, momentum_path=mp)
+    want_g, want_m = loco.outer_step(g, want_avg, momentum)
+    assert out.read_bytes() == _save(tmp_path / "want_g.safetensors", want_g).read_bytes()
+    assert want_m is not None
+    assert mp.read_bytes() == _save(tmp_path / "want_m.safetensors", want_m).read_bytes()
