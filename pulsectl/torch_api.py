@@ -721,8 +721,11 @@ def _check_entries(
     removed = [key for key in state if key not in targets and key not in followers]
     if replace is True:
         return False
+    # A module's: model.state_dict() (its `_metadata`), or any mapping that holds a Parameter
+    # (found in review: a dict of named_parameters() and named_buffers() had a buffer replaced
+    # in the dict only, and the module kept its old one).
     module = getattr(state, "_metadata", None) is not None or any(
-        isinstance(state.get(key), torch.nn.Parameter) for key in (*replaced, *removed, *followers)
+        isinstance(t, torch.nn.Parameter) for t in state.values()
     )
     if replace is None and not module:
         return False

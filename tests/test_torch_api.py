@@ -333,6 +333,18 @@ def test_apply_patch_refuses_to_replace_a_modules_tensors(change: str):
             apply_patch(dict(worker.named_parameters()), patch)
         assert _same(dict(worker.state_dict()), before)
 
+    # A dict of the module's Parameters and buffers, where the patch replaces a buffer (found in
+    # review: the dict's buffer entry was swapped and the module kept its old one).
+    if change in ("dtype", "shape"):
+        worker.register_buffer("scale", torch.ones(2))
+        mixed = {**dict(worker.named_parameters()), **dict(worker.named_buffers())}
+        base = {k: v.detach().clone() for k, v in mixed.items()}
+        resized = {**{k: v.clone() for k, v in base.items()}, "scale": torch.ones(3)}
+        with pytest.raises(UsageError, match="nn.Module") as err:
+            apply_patch(mixed, make_patch(base, resized))
+        assert err.value.tensor == "scale" and worker.scale.shape == (2,)
+        del worker.scale
+
     # replace=True changes the mapping, and only the mapping: the docs say so.
     mapping = worker.state_dict()
     assert apply_patch(mapping, patch, replace=True) == publisher.fingerprint
