@@ -92,6 +92,10 @@ def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's logical bytes, row-major, as a flat uint8 tensor on its device (a view when
     contiguous, else a contiguous copy): the bytes safetensors saves for it."""
     flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # One element counts as contiguous whatever its stride (scales[:, 0] of a (1, 4)
+        # tensor), and torch views it as bytes only with stride 1 (found in review).
+        flat = flat.as_strided((1,), (1,))
     if flat.dtype == torch.bool:
         return flat.view(torch.uint8)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)

@@ -717,3 +717,20 @@ def test_a_cuda_device_on_a_torch_without_cuda_is_a_device_error() -> None:
             StateDictSource({"w": w}), StateDictSource({"w": w + 1}), io.BytesIO(),
             options=DiffOptions(device="cuda"),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool])
+def test_a_one_element_view_with_a_stride(tmp_path: Path, dtype: torch.dtype) -> None:
+    """scales[:, 0] of a (1, 4) tensor: one element, stride 4, which torch calls contiguous
+    but would not view as bytes (found in review: a raw RuntimeError in make_patch,
+    apply_patch and state_dict_fingerprint). Patched in place; the rest of scales untouched."""
+    torch.manual_seed(0)
+    scales = torch.randn(1, 4).to(dtype)
+    view = scales[:, 0]
+    assert view.stride() == (4,)
+    new = {"s": (~view if dtype == torch.bool else view + 1).clone()}
+    save_file({"s": view.clone()}, str(tmp_path / "old.safetensors"))
+    assert state_dict_fingerprint({"s": view}) == fingerprint_file(tmp_path / "old.safetensors")
+    rest = scales[:, 1:].clone()
+    assert apply_patch({"s": view}, make_patch({"s": view}, new)) == state_dict_fingerprint(new)
+    assert torch.equal(scales[:, 0], new["s"]) and torch.equal(scales[:, 1:], rest)
