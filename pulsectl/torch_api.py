@@ -204,6 +204,14 @@ def _require_data(name: object, t: object, patch_name: str | None = None) -> Non
             f"state?); leave it out of the state dict{end}",
             tensor=name,
         )
+    if hasattr(t, "__tensor_flatten__"):
+        # A wrapper subclass: a DTensor (FSDP2, tensor parallel), a quantized tensor. Its own
+        # bytes are not the tensor's (found in review: a raw RuntimeError from .numpy()).
+        raise UsageError(
+            f"{where}tensor {name!r} is a {type(t).__name__}, a tensor subclass whose data is "
+            f"not one dense tensor; gather it (a DTensor's full_tensor()) or leave it out{end}",
+            tensor=name,
+        )
     if t.layout != torch.strided:
         raise UsageError(
             f"{where}tensor {name!r} is {t.layout}, not dense; make it dense (to_dense()) or "
