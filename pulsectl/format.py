@@ -23,7 +23,7 @@ import xxhash
 import zstandard
 
 from pulsectl import _zstd
-from pulsectl.errors import CorruptPatchError, FormatError, InputError
+from pulsectl.errors import CorruptPatchError, FormatError, InputError, UsageError
 
 MAGIC = b"\x89PULSE\r\n"
 STDIN_NAME = "<stdin>"  # how messages name a patch read from standard input
@@ -181,6 +181,8 @@ class PatchReader:
     """
 
     def __init__(self, stream: BinaryIO, name: str) -> None:
+        if isinstance(stream, io.TextIOBase):  # its reads are str, decoded (found in review)
+            raise UsageError(f"{name}: the patch is open in text mode; open it with 'rb'")
         self._stream = stream
         self.name = name
         self._hash = xxhash.xxh3_64()

@@ -431,8 +431,10 @@ def _read_all(patch: PatchData) -> tuple[bytes, str]:
             return Path(patch).read_bytes(), str(patch)
         except OSError as exc:
             raise InputError(f"{patch}: cannot read patch: {exc.strerror}", path=patch) from exc
-    data = patch.read()
-    return data, str(getattr(patch, "name", "<stream>"))
+    name = str(getattr(patch, "name", "<stream>"))
+    if isinstance(patch, io.TextIOBase):  # its reads are str, decoded (found in review)
+        raise UsageError(f"{name}: the patch is open in text mode; open it with 'rb'")
+    return patch.read(), name
 
 
 @dataclass(frozen=True)

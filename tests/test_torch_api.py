@@ -765,3 +765,20 @@ def test_a_dtensor_is_refused_with_what_to_do(tmp_path: Path) -> None:
             assert "full_tensor()" in str(err.value)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_patch_open_in_text_mode_is_a_usage_error(tmp_path: Path) -> None:
+    """Found in review: a raw TypeError (or a UnicodeDecodeError) from a text-mode file."""
+    from pulsectl.format import PatchReader
+
+    path = tmp_path / "p.pulse"
+    path.write_bytes(make_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)}))
+    for read in (
+        lambda f: apply_patch({"w": torch.zeros(4)}, f),
+        lambda f: PatchReader(f, str(path)),
+    ):
+        with (
+            open(path, encoding="latin-1") as f,
+            pytest.raises(UsageError, match="open it with 'rb'"),
+        ):
+            read(f)
