@@ -38,6 +38,7 @@ from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all
 from pulsectl.checkpoint import Checkpoint, SafetensorsHeader, TensorInfo
 from pulsectl.codecs import decode_block, decode_moves, patch_in_place
 from pulsectl.codecs._bits import add_moves
+from pulsectl.device import check_name
 from pulsectl.errors import (
     CorruptPatchError,
     FormatError,
@@ -120,6 +121,7 @@ def apply_patches(
     the same BASE take turns (``on_wait`` is told when this one has to wait).
     """
     base_path = Path(base)
+    check_name(device)
     if not patches:
         raise UsageError("no patch given")
     if sum(1 for p in patches if isinstance(p, (str, Path)) and str(p) == "-") > 1:

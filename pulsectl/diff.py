@@ -80,6 +80,12 @@ class DiffOptions:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     workers: int = field(default_factory=default_workers)
 
+    def __post_init__(self) -> None:
+        if self.device is not None:
+            from pulsectl.device import check_name
+
+            check_name(self.device)
+
 
 _ESCAPES = ("[*]", "[?]", "[[]")  # what glob.escape writes for the three wildcard characters
 
