@@ -538,16 +538,26 @@ def _modes_of(folder: Path) -> dict[str, os.stat_result]:
 
 def _give_modes(new: Path, modes: dict[str, os.stat_result]) -> None:
     """Give folder ``new`` and each visible file and folder in it the mode (and owner, where
-    allowed) recorded for the same relative path; folders last, deepest first, so that a
-    read-only one is made so once what is in it is done."""
+    allowed) recorded for the same relative path (a new file: the one every old file had, if
+    they had one); folders last, deepest first, so that a read-only one is made so once what
+    is in it is done."""
+    # A file new to the folder (a shard of a checkpoint sharded anew) takes the mode its old
+    # files all had, where they had one (found in review: 0600 shards gained 0644 ones).
+    files_of = [st for st in modes.values() if stat.S_ISREG(st.st_mode)]
+    shared = {(stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) for st in files_of}
+    common = files_of[0] if len(shared) == 1 else None
     folders = [""]
     for root, dirs, files in os.walk(new):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # carried over as they were
         rel = Path(root).relative_to(new)
         folders += [(rel / d).as_posix() for d in dirs]
         for name in files:
-            if not name.startswith(".") and (key := (rel / name).as_posix()) in modes:
-                _set_mode(new / key, modes[key])
+            if name.startswith("."):
+                continue
+            key = (rel / name).as_posix()
+            mode = modes.get(key, common)
+            if mode is not None:
+                _set_mode(new / key, mode)
     for key in sorted(folders, key=lambda k: k.count("/") + (k != ""), reverse=True):
         if key in modes:
             _set_mode(new / key if key else new, modes[key])

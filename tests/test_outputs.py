@@ -93,6 +93,40 @@ def test_in_place_on_a_folder_keeps_its_hidden_entries(folders: tuple[Path, Path
     assert not [p for p in base.parent.iterdir() if ".pulsectl-" in p.name]
 
 
+def test_in_place_reshard_gives_new_shards_the_old_shards_mode(tmp_path: Path) -> None:
+    """Found in review: a folder of private 0600 shards, re-sharded by the patch (new file
+    names), got 0644 new shards. A new file takes the mode every old file had; where the old
+    files had several, the usual 0644 less the umask."""
+    import torch
+    from safetensors.torch import save_file
+
+    for mixed in (False, True):
+        a, b = tmp_path / f"a{mixed}", tmp_path / f"b{mixed}"
+        a.mkdir()
+        b.mkdir()
+        save_file(
+            {"w": torch.zeros(4), "v": torch.zeros(4)}, str(a / "model-00001-of-00001.safetensors")
+        )
+        (a / "config.json").write_text("{}")
+        save_file({"w": torch.ones(4)}, str(b / "model-00001-of-00002.safetensors"))
+        save_file({"v": torch.ones(4)}, str(b / "model-00002-of-00002.safetensors"))
+        (b / "config.json").write_text("{}")
+        for f in a.iterdir():
+            f.chmod(0o600)
+        if mixed:
+            (a / "config.json").chmod(0o640)
+        patch = tmp_path / f"p{mixed}.pulse"
+        assert main(["-q", "diff", str(a), str(b), "-o", str(patch)]) == 0
+        assert main(["-q", "apply", str(a), str(patch), "--in-place"]) == 0
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in a.iterdir()}
+        new = 0o644 & ~_atomic._umask() if mixed else 0o600
+        assert modes == {
+            "config.json": 0o640 if mixed else 0o600,
+            "model-00001-of-00002.safetensors": new,
+            "model-00002-of-00002.safetensors": new,
+        }, modes
+
+
 def test_a_checkpoint_folder_replaced_with_force_keeps_hidden_entries(
     folders: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
