@@ -538,14 +538,10 @@ def _modes_of(folder: Path) -> dict[str, os.stat_result]:
 
 def _give_modes(new: Path, modes: dict[str, os.stat_result]) -> None:
     """Give folder ``new`` and each visible file and folder in it the mode (and owner, where
-    allowed) recorded for the same relative path (a new file: the one every old file had, if
-    they had one); folders last, deepest first, so that a read-only one is made so once what
-    is in it is done."""
-    # A file new to the folder (a shard of a checkpoint sharded anew) takes the mode its old
-    # files all had, where they had one (found in review: 0600 shards gained 0644 ones).
-    files_of = [st for st in modes.values() if stat.S_ISREG(st.st_mode)]
-    shared = {(stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) for st in files_of}
-    common = files_of[0] if len(shared) == 1 else None
+    allowed) recorded for the same relative path (a new file: what the old files had in common,
+    ``_shared_by_files``); folders last, deepest first, so that a read-only one is made so once
+    what is in it is done."""
+    common = _shared_by_files(modes)
     folders = [""]
     for root, dirs, files in os.walk(new):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # carried over as they were
@@ -555,12 +551,37 @@ def _give_modes(new: Path, modes: dict[str, os.stat_result]) -> None:
             if name.startswith("."):
                 continue
             key = (rel / name).as_posix()
-            mode = modes.get(key, common)
-            if mode is not None:
-                _set_mode(new / key, mode)
+            if key in modes:
+                _set_mode(new / key, modes[key])
+            elif common is not None:
+                common(new / key)
     for key in sorted(folders, key=lambda k: k.count("/") + (k != ""), reverse=True):
         if key in modes:
             _set_mode(new / key if key else new, modes[key])
+
+
+def _shared_by_files(modes: dict[str, os.stat_result]) -> Callable[[Path], None] | None:
+    """For a file new to a folder (a shard of a checkpoint sharded anew): what the old files
+    had in common, as a function that gives it to a path: the permission bits every one of them
+    has (so the new file is no more open than any of them: 0600 shards and a 0640 config give
+    0600), and their owner and group where they all had one. None when there were no files
+    (found in review: 0600 shards gained 0644 ones)."""
+    files = [st for st in modes.values() if stat.S_ISREG(st.st_mode)]
+    if not files:
+        return None
+    bits = functools.reduce(lambda a, b: a & b, (stat.S_IMODE(st.st_mode) for st in files))
+    owners = {(st.st_uid, st.st_gid) for st in files}
+
+    def give(path: Path) -> None:
+        if len(owners) == 1:
+            uid, gid = next(iter(owners))
+            mine = os.stat(path)
+            if (mine.st_uid, mine.st_gid) != (uid, gid):
+                with contextlib.suppress(OSError):
+                    os.chown(path, uid, gid)
+        os.chmod(path, bits)
+
+    return give
 
 
 def _discard(folder: Path) -> None:

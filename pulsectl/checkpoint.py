@@ -140,7 +140,10 @@ def _other_format(prefix: bytes) -> str:
         return f"a pickle (an older torch.save .bin?), {torch_file}"
     if prefix.startswith(b"GGUF"):
         return "a GGUF file, not a safetensors file"
-    if prefix.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] in (b"{", b"["):
+    text = prefix.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+    # Text all through: a length prefix has zero high bytes (found in review: one of 0x7B20
+    # starts with ' {' and, cut short, was named JSON).
+    if all(32 <= c < 127 or c in b"\t\r\n" for c in text) and text.lstrip()[:1] in (b"{", b"["):
         return (
             "a JSON file, not a safetensors file; for a Hugging Face checkpoint, give its folder "
             "(model.safetensors.index.json and config.json are read from there)"
@@ -507,24 +510,29 @@ class Checkpoint:
 
 
 def _variant_of(a: str, b: str) -> str | None:
-    """The variant name when ``a`` and ``b`` are one model's file in two variants, in the
+    """The variant names when ``a`` and ``b`` are one model's file in two variants, in the
     naming of diffusers and transformers (``X.safetensors`` and ``X.fp16.safetensors``, shards
-    ``X-00001-of-00002.safetensors`` and ``X.fp16-00001-of-00002.safetensors``), else None."""
+    ``X-00001-of-00002.safetensors`` and ``X.fp16-00001-of-00002.safetensors``), else None. A
+    variant is a word (fp16, bf16, non_ema), not the ``1-8b`` of ``llama-3.1-8b`` (found in
+    review)."""
     if a.rpartition("/")[0] != b.rpartition("/")[0]:
         return None
 
-    def split(relpath: str) -> tuple[str, str]:
-        stem = relpath.rpartition("/")[2].removesuffix(SAFETENSORS_SUFFIX)
-        shard = re.search(r"-\d+-of-\d+$", stem)
-        if shard is not None:
-            stem = stem[: shard.start()]
-        model, _, variant = stem.partition(".")
-        return model, variant
+    def stem(relpath: str) -> str:
+        name = relpath.rpartition("/")[2].removesuffix(SAFETENSORS_SUFFIX)
+        return re.sub(r"-\d+-of-\d+$", "", name)
 
-    (model_a, variant_a), (model_b, variant_b) = split(a), split(b)
-    if model_a != model_b or variant_a == variant_b:
-        return None
-    return " and ".join(repr(v or "default") for v in sorted((variant_a, variant_b)))
+    def word(text: str) -> bool:
+        return re.fullmatch(r"[A-Za-z]\w*", text) is not None
+
+    sa, sb = stem(a), stem(b)
+    for x, y in ((sa, sb), (sb, sa)):  # X and X.fp16
+        if x.startswith(f"{y}.") and word(x[len(y) + 1 :]):
+            return f"'default' and {x[len(y) + 1 :]!r}"
+    (ma, _, va), (mb, _, vb) = sa.rpartition("."), sb.rpartition(".")
+    if ma and ma == mb and va != vb and word(va) and word(vb):  # X.bf16 and X.fp16
+        return " and ".join(map(repr, sorted((va, vb))))
+    return None
 
 
 def _tensor_bytes(

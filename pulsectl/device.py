@@ -74,11 +74,12 @@ def resolve(spec: str) -> str | None:
     raise UsageError(f"--device {spec!r}: give auto, cpu or cuda[:N]", option="--device")
 
 
-def check_name(device: str | None) -> None:
-    """Refuse (UsageError), before any work, a ``device`` the library functions cannot use: not
-    a torch device name of the CPU or CUDA ("cpu", "cuda", "cuda:N"), or CUDA where torch sees
-    none. None (numpy on the CPU) is always fine. Found in review: such a name failed only once
-    work had started, with torch's own message."""
+def check_name(device: object) -> None:
+    """Refuse (UsageError), before any work, a ``device`` the library functions cannot use: a
+    name torch has no device type for, ``"auto"`` (the command line's), or a CUDA device torch
+    does not see. None (numpy on the CPU) is always fine, and so is any torch device name or
+    ``torch.device`` torch parses ("cpu", "cuda:1", "mps"). Found in review: such a name failed
+    only once work had started, with torch's own message."""
     if device is None or isinstance(device, _Chosen):
         return
     if device == "auto":
@@ -86,22 +87,21 @@ def check_name(device: str | None) -> None:
             "device 'auto' is the command line's: pass pulsectl.device.resolve('auto'), a torch "
             "device name, or None for numpy on the CPU"
         )
-    if not isinstance(device, str) or not (
-        device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
-    ):
-        raise UsageError(
-            f"device {device!r}: give a torch device name ('cpu', 'cuda' or 'cuda:N'), or None "
-            "for numpy on the CPU"
-        )
-    if device.startswith("cuda"):
-        import torch
+    import torch
 
+    try:
+        parsed = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(
+            f"device {device!r}: not a torch device name ('cpu', 'cuda', 'cuda:N', ...); give "
+            "one, or None for numpy on the CPU"
+        ) from None
+    if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(device[5:]) if device != "cuda" else 0
-        if index >= count:
+        if (parsed.index or 0) >= count:
             raise UsageError(
-                f"device {device!r}: torch sees {counted(count, 'CUDA device')} here; use 'cpu' "
-                "or None"
+                f"device {str(device)!r}: torch sees {counted(count, 'CUDA device')} here; use "
+                "'cpu' or None"
             )
 
 

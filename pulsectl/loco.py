@@ -806,7 +806,7 @@ def step_files(
     """
     # The values given first, then the choice between --momentum and --plain (as the parser
     # judges the options given before the ones missing); all before any file is read.
-    check_outer(lr, beta)
+    lr32, beta32 = check_outer(lr, beta)
     out = file_path(out)
     if plain and momentum_path is not None:
         raise UsageError(
@@ -824,7 +824,6 @@ def step_files(
     check_file_target(out, force)
     if momentum_path is not None:
         check_file_target(momentum_path, True, "momentum")
-    lr32, beta32 = check_outer(lr, beta)
     with contextlib.ExitStack() as stack:
         g_src = stack.enter_context(_F32Source(global_path))
         sparse = _open_update(stack, update_path) if is_patch(update_path) else None
@@ -934,13 +933,12 @@ def _f32(x: np.ndarray, name: str) -> np.ndarray:
 def _check_same(
     ref: Mapping[str, np.ndarray], other: Mapping[str, np.ndarray], ref_label: str, label: str
 ) -> None:
-    a = {k: tuple(np.shape(v)) for k, v in ref.items()}
-    b = {k: tuple(np.shape(v)) for k, v in other.items()}
-    if a != b:
-        raise InputError(
-            f"{label} does not match {ref_label}: {_first_difference(a, b)}; "
-            "both must hold the same tensors with the same shapes"
-        )
+    _check_shapes(
+        {k: tuple(np.shape(v)) for k, v in ref.items()},
+        {k: tuple(np.shape(v)) for k, v in other.items()},
+        ref_label,
+        label,
+    )
 
 
 def _first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

@@ -48,6 +48,7 @@ from pulsectl.codecs import (
     rice,
 )
 from pulsectl.codecs.delta import find_changes
+from pulsectl.device import check_name
 from pulsectl.diff import DiffOptions, diff_to_path
 from pulsectl.errors import CorruptPatchError, UsageError
 from pulsectl.format import BLOCK_PAYLOAD_SLACK, blocks_in, open_patch
@@ -333,6 +334,7 @@ def pair_stats(
     ``measure_patch`` writes the patch ``pulsectl diff`` would write (default options) to a
     temporary file to give its exact size and each frame's size.
     """
+    check_name(device)
     if as_dtype is not None:
         target_dtype(as_dtype)
         as_dtype = as_dtype.lower()  # one spelling in the JSON, as in store manifests
@@ -579,6 +581,7 @@ def chain_stats(
     by chunk, and every window is compared on the chunk, so memory is one chunk per
     checkpoint. A tensor absent from C_i or of another dtype or shape counts as all changed.
     """
+    check_name(device)
     if len(checkpoints) < 2:
         raise UsageError("a chain needs at least two checkpoints")
     ks = tuple(sorted(set(ks)))

@@ -512,6 +512,17 @@ def test_other_formats_are_named(tmp_path: Path) -> None:
         assert str(info.value) == f"{tmp_path / name}: {message}"
 
 
+def test_a_cut_short_file_whose_length_prefix_reads_as_text_is_not_called_json(
+    tmp_path: Path,
+) -> None:
+    """A header of 0x7B20 bytes starts the file with ' {' (found in review: cut short, it was
+    named a JSON file). JSON is named only when all eight first bytes are text."""
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(struct.pack("<Q", 0x7B20) + b'{"w": {"dtype": "F32", ')
+    with pytest.raises(FormatError, match="file truncated or not safetensors"):
+        read_header(path)
+
+
 @pytest.mark.parametrize("header_len", [0x280, 0x380, 0x480, 0x580, 0x04034B50 & ~7])
 def test_valid_files_whose_first_bytes_look_like_other_formats(
     tmp_path: Path, header_len: int
@@ -847,6 +858,9 @@ def test_directory_duplicate_tensor_across_shards(tmp_path: Path) -> None:
         ),
         (["m.bf16.safetensors", "m.fp16.safetensors"], "'bf16' and 'fp16'"),
         (["a.safetensors", "b.safetensors"], None),  # two files, not variants: one copy too many
+        (["x.v1.fp16.safetensors", "x.v1.safetensors"], "'default' and 'fp16'"),
+        # Version numbers are not variants (found in review: "variants '1-8b' and '2-1b'").
+        (["llama-3.1-8b.safetensors", "llama-3.2-1b.safetensors"], None),
     ],
 )
 def test_variants_of_one_model_in_a_folder_are_named(

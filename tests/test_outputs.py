@@ -95,8 +95,8 @@ def test_in_place_on_a_folder_keeps_its_hidden_entries(folders: tuple[Path, Path
 
 def test_in_place_reshard_gives_new_shards_the_old_shards_mode(tmp_path: Path) -> None:
     """Found in review: a folder of private 0600 shards, re-sharded by the patch (new file
-    names), got 0644 new shards. A new file takes the mode every old file had; where the old
-    files had several, the usual 0644 less the umask."""
+    names), got 0644 new shards. A new file takes the permission bits every old file has: 0600
+    beside a 0640 config.json too (no more open than any old file)."""
     import torch
     from safetensors.torch import save_file
 
@@ -119,11 +119,10 @@ def test_in_place_reshard_gives_new_shards_the_old_shards_mode(tmp_path: Path) -
         assert main(["-q", "diff", str(a), str(b), "-o", str(patch)]) == 0
         assert main(["-q", "apply", str(a), str(patch), "--in-place"]) == 0
         modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in a.iterdir()}
-        new = 0o644 & ~_atomic._umask() if mixed else 0o600
         assert modes == {
             "config.json": 0o640 if mixed else 0o600,
-            "model-00001-of-00002.safetensors": new,
-            "model-00002-of-00002.safetensors": new,
+            "model-00001-of-00002.safetensors": 0o600,
+            "model-00002-of-00002.safetensors": 0o600,
         }, modes
 
 

@@ -16,6 +16,7 @@ from pulsectl.apply import apply_patches
 from pulsectl.diff import DiffOptions, diff_checkpoints
 from pulsectl.errors import CorruptPatchError, IntegrityError, OutputError, UsageError
 from pulsectl.hashing import fingerprint_file
+from pulsectl.stats import pair_stats
 from pulsectl.torch_api import (
     Publisher,
     apply_patch,
@@ -719,7 +720,8 @@ def test_a_device_torch_does_not_have_is_refused_before_any_work(tmp_path: Path)
         ("cuda", "device 'cuda': torch sees 0 CUDA devices here; use 'cpu' or None"),
         ("cuda:1", "device 'cuda:1': torch sees 0 CUDA devices here"),
         ("auto", "device 'auto' is the command line's: pass pulsectl.device.resolve('auto')"),
-        ("tpu", "device 'tpu': give a torch device name ('cpu', 'cuda' or 'cuda:N')"),
+        ("tpu", "device 'tpu': not a torch device name ('cpu', 'cuda', 'cuda:N', ...)"),
+        ("cuda:\u00b2", "not a torch device name"),  # '²'.isdigit() (found in review)
     ):
         with pytest.raises(UsageError, match=re.escape(message)):
             DiffOptions(device=device)
@@ -727,7 +729,11 @@ def test_a_device_torch_does_not_have_is_refused_before_any_work(tmp_path: Path)
             apply_patches(
                 tmp_path / "base", [tmp_path / "p.pulse"], tmp_path / "out", device=device
             )
-    assert DiffOptions(device="cpu").device == "cpu"
+        with pytest.raises(UsageError, match=re.escape(message)):
+            pair_stats(tmp_path / "a", tmp_path / "b", device=device)
+    # What torch parses is taken: names of other backends, and torch.device objects.
+    for device in ("cpu", torch.device("cpu"), "mps", "xpu"):
+        assert DiffOptions(device=device).device == device  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool])
