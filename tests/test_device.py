@@ -183,8 +183,12 @@ def test_a_device_auto_chose_that_fails_falls_back_to_the_host(
         "pulsectl: warning: --device auto: cpu failed (CUDA out of memory. Tried to allocate "
         "16.00 MiB); finding changed words on the CPU instead (the same bytes)\n"
     )
-    assert len(busy_device) == 1  # not tried again after the first failure
+    # Not tried again once a failure is known; with 2 workers, the other one's try may already
+    # be under way when the first fails (seen once in a full run: two tries in apply).
+    tried = len(busy_device)
+    assert 1 <= tried <= 2
     assert pair_stats(a, b, device=device).to_json() == pair_stats(a, b).to_json()
+    assert len(busy_device) == tried
     import pulsectl.device as dev
     from pulsectl.apply import apply_patches
 
@@ -193,8 +197,8 @@ def test_a_device_auto_chose_that_fails_falls_back_to_the_host(
     patch.write_bytes(want.getvalue())
     apply_patches(a, [patch], tmp_path / "out.safetensors", device=device)
     assert (tmp_path / "out.safetensors").read_bytes() == b.read_bytes()
-    assert len(busy_device) == 2
-    assert "scattering the changes on the CPU instead" in capsys.readouterr().err
+    assert 1 <= len(busy_device) - tried <= 2
+    assert capsys.readouterr().err.count("scattering the changes on the CPU instead") == 1
 
 
 def test_a_device_asked_for_by_name_that_fails_is_one_error(chain, busy_device: list[str]):
