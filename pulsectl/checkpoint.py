@@ -364,6 +364,22 @@ def folder_files(root: Path) -> list[tuple[str, Path]]:
     return found
 
 
+def linked_folders(root: Path) -> list[str]:
+    """Relative paths of the links to folders below folder checkpoint ``root``, hidden ones
+    aside: they are not followed, so what they hold is not part of the checkpoint; [] for a
+    single file."""
+    found: list[str] = []
+    if not root.is_dir():
+        return found
+    for folder, names, _ in os.walk(root):  # links to folders are listed, not entered
+        rel = Path(folder).relative_to(root)
+        names[:] = [n for n in names if not n.startswith(".")]
+        for name in names:
+            if os.path.islink(os.path.join(folder, name)):
+                found.append((rel / name).as_posix())
+    return sorted(found)
+
+
 def _walk(root: Path, rel: tuple[str, ...], out: list[tuple[str, Path]]) -> None:
     """Collect (relpath, path) of regular files and links to files; skip dot-names."""
     folder = root.joinpath(*rel)

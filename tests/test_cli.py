@@ -970,3 +970,30 @@ def test_an_output_inside_a_folder_checkpoint_it_reads_is_refused(
                 f"reads, which would then hold it; write the {what} outside it\n"
             )
     assert tree_bytes(base) == before
+
+
+def test_diff_warns_of_a_linked_folder_it_leaves_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Links to folders are not followed (FORMAT.md): a worker rebuilding NEW from the patch
+    would lack what they hold, so diff says so (found in review: silently left out). Hidden
+    links and links to files are not named."""
+    from safetensors.torch import save_file
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "tokenizer.json").write_text("{}")
+    old, new = tmp_path / "old", tmp_path / "new"
+    for k, folder in enumerate((old, new)):
+        (folder / "sub").mkdir(parents=True)
+        save_file({"w": torch.full((4,), float(k))}, str(folder / "model.safetensors"))
+    (new / "tokenizer").symlink_to(shared)
+    (new / "sub" / "more").symlink_to(shared)
+    (new / ".cache").symlink_to(shared)
+    (new / "tok.json").symlink_to(shared / "tokenizer.json")
+    assert main(["diff", str(old), str(new), "-o", str(tmp_path / "p.pulse")]) == 0
+    warnings = [w for w in capsys.readouterr().err.splitlines() if "warning" in w]
+    assert warnings == [
+        f"pulsectl: warning: {new}: not in the patch: sub/more/, tokenizer/ (links to folders "
+        "are not followed, docs/FORMAT.md); copy what they hold into the checkpoint to carry it"
+    ]

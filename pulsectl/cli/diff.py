@@ -144,8 +144,15 @@ def _run(
     fsync: bool,
     blocks: int | None,
 ) -> None:
+    from pulsectl.checkpoint import linked_folders
     from pulsectl.diff import diff_checkpoints, diff_to_path
 
+    linked = linked_folders(new)
+    if linked:  # documented, but a worker would miss them: say so (found in review)
+        out.warn(
+            f"{new}: not in the patch: {', '.join(f'{n}/' for n in linked)} (links to folders are "
+            "not followed, docs/FORMAT.md); copy what they hold into the checkpoint to carry it"
+        )
     if blocks is not None:
         from pulsectl.blocks import diff_blocks
 
