@@ -997,3 +997,11 @@ def test_diff_warns_of_a_linked_folder_it_leaves_out(
         f"pulsectl: warning: {new}: not in the patch: sub/more/, tokenizer/ (links to folders "
         "are not followed, docs/FORMAT.md); copy what they hold into the checkpoint to carry it"
     ]
+    # publish too: a worker that pulls the step would lack them.
+    store = tmp_path / "store"
+    assert main(["publish", str(store), str(new)]) == 0
+    warnings = [w for w in capsys.readouterr().err.splitlines() if "warning" in w]
+    assert warnings == [
+        f"pulsectl: warning: {new}: not in the store: sub/more/, tokenizer/ (links to folders "
+        "are not followed, docs/FORMAT.md); copy what they hold into the checkpoint to carry it"
+    ]

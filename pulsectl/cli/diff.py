@@ -144,15 +144,9 @@ def _run(
     fsync: bool,
     blocks: int | None,
 ) -> None:
-    from pulsectl.checkpoint import linked_folders
     from pulsectl.diff import diff_checkpoints, diff_to_path
 
-    linked = linked_folders(new)
-    if linked:  # documented, but a worker would miss them: say so (found in review)
-        out.warn(
-            f"{new}: not in the patch: {', '.join(f'{n}/' for n in linked)} (links to folders are "
-            "not followed, docs/FORMAT.md); copy what they hold into the checkpoint to carry it"
-        )
+    warn_of_linked_folders(out, new, "the patch")
     if blocks is not None:
         from pulsectl.blocks import diff_blocks
 
@@ -203,6 +197,21 @@ def _run(
         out.warn(
             "OLD and NEW have no tensor in common (name, shape and dtype): the patch carries "
             "NEW whole; are they checkpoints of the same model?"
+        )
+
+
+def warn_of_linked_folders(out: Output, ckpt: Path, what: str) -> None:
+    """Links to folders in a folder checkpoint are not followed (docs/FORMAT.md): what they
+    hold is not in ``what``, and a worker would lack it, so say so (found in review: silently
+    left out)."""
+    from pulsectl.checkpoint import linked_folders
+
+    linked = linked_folders(ckpt)
+    if linked:
+        out.warn(
+            f"{ckpt}: not in {what}: {', '.join(f'{n}/' for n in linked)} (links to folders "
+            "are not followed, docs/FORMAT.md); copy what they hold into the checkpoint to "
+            "carry it"
         )
 
 

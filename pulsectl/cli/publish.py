@@ -16,7 +16,7 @@ from pulsectl._names import (
 from pulsectl.cli._options import Checkpoint, Workers, check_cast_target
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
-from pulsectl.cli.diff import parse_level
+from pulsectl.cli.diff import parse_level, warn_of_linked_folders
 
 
 def publish(
@@ -84,6 +84,7 @@ def publish(
 
     out: Output = ctx.obj
     check_cast_target(as_dtype)
+    warn_of_linked_folders(out, checkpoint, "the store")
     options = PublishOptions(
         anchor_every=anchor_every,
         max_patch_fraction=max_patch_fraction,
