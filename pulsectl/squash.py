@@ -31,6 +31,7 @@ from pulsectl._atomic import (
     file_path,
     os_error,
     refuse_inside_folder_input,
+    remove,
     same_file,
 )
 from pulsectl.codecs import (
@@ -349,6 +350,19 @@ def _staged(out: BinaryIO) -> Iterator[BinaryIO]:
         shutil.copyfileobj(staged, out, 1024 * 1024)
 
 
+def _base_changed(base: Path, want: str, got: str, output: str) -> IntegrityError:
+    """BASE is read twice (the chain applied to it, then the diff against it): it changed in
+    between (found in review: the patch then recorded the old fingerprint with moves against
+    the new bytes, which apply refuses on either)."""
+    return IntegrityError(
+        f"{base}: BASE changed while squash read it (fingerprint {got}, the chain's base "
+        f"{want}); the squashed patch would fit neither, so {output}",
+        path=str(base),
+        expected=want,
+        actual=got,
+    )
+
+
 def _refuse_an_input_as_output(
     out: Path, patches: Sequence[str | Path], base: str | Path | None
 ) -> None:
@@ -392,13 +406,22 @@ def _squash_with_base(
         work = tempfile.TemporaryDirectory(prefix=prefix, dir=near)
     except OSError as exc:  # a read-only or full folder
         raise os_error(exc, out if isinstance(out, Path) else Path(tempfile.gettempdir())) from exc
+    want = infos[0].header.base_fingerprint
     with work as tmp:
         target = Path(tmp) / "target"
         apply_patches(base, list(patches), target)
         if isinstance(out, Path):
             summary = diff_to_path(base, target, out, force=force, options=options)
+            if summary.base_fingerprint != want:
+                remove(out)
+                raise _base_changed(base, want, summary.base_fingerprint, "it was removed")
         else:
-            summary = diff_checkpoints(base, target, out, options=options)
+            # Whole or nothing on a stream, as without --base (found in review: the diff wrote
+            # to it directly, so a failure midway left part of a patch in the pipe).
+            with _staged(out) as sink:
+                summary = diff_checkpoints(base, target, sink, options=options)
+                if summary.base_fingerprint != want:
+                    raise _base_changed(base, want, summary.base_fingerprint, "nothing was written")
     return SquashSummary(
         len(patches),
         input_bytes,

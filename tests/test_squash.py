@@ -245,3 +245,65 @@ def test_squash_holds_one_block_of_each_patch_not_whole_frames(tmp_path: Path) -
     assert peak < 128 * 2**20, f"peak allocation {peak / 2**20:.1f} MiB"
     apply_patches(steps[0], [out], tmp_path / "t.safetensors")
     assert (tmp_path / "t.safetensors").read_bytes() == steps[4].read_bytes()
+
+
+def test_squash_with_base_to_a_stream_writes_whole_or_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: with --base, `-o -` got the diff's bytes as they came, so a failure
+    midway left part of a patch in the pipe; README says a stream gets it once it is whole."""
+    import io
+
+    import pulsectl.diff
+    from pulsectl.errors import InputError
+
+    chain = _chain(tmp_path, steps=2)
+    patches = _patches(tmp_path, chain, FAST)
+    whole = io.BytesIO()
+    squash_patches(patches, whole, base=chain[0])
+    assert whole.getvalue().startswith(b"\x89PULSE")
+    real = pulsectl.diff.diff_checkpoints
+
+    def fails_midway(old, new, out, **kw):  # type: ignore[no-untyped-def]
+        real(old, new, out, **kw)
+        raise InputError("read failed (simulated)")
+
+    monkeypatch.setattr(pulsectl.diff, "diff_checkpoints", fails_midway)
+    stream = io.BytesIO()
+    with pytest.raises(InputError, match="simulated"):
+        squash_patches(patches, stream, base=chain[0])
+    assert stream.getvalue() == b""
+
+
+@pytest.mark.parametrize("to_stream", [False, True])
+def test_a_base_that_changes_during_squash_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to_stream: bool
+) -> None:
+    """BASE is read twice (the chain applied to it, then the diff against it). Found in review:
+    rewritten in between, it gave a patch (exit 0) that recorded its old fingerprint with moves
+    against its new bytes, which apply refuses on either. Now an IntegrityError, no output."""
+    import io
+
+    import pulsectl.apply
+
+    chain = _chain(tmp_path, steps=2)
+    patches = _patches(tmp_path, chain, FAST)
+    base = tmp_path / "base.safetensors"
+    base.write_bytes(chain[0].read_bytes())
+    real = pulsectl.apply.apply_patches
+
+    def then_rewrite_base(*args, **kw):  # type: ignore[no-untyped-def]
+        summary = real(*args, **kw)
+        with open(base, "r+b") as f:
+            f.seek(-8, 2)
+            f.write(bytes(8))
+        return summary
+
+    monkeypatch.setattr(pulsectl.apply, "apply_patches", then_rewrite_base)
+    out: Path | io.BytesIO = io.BytesIO() if to_stream else tmp_path / "s.pulse"
+    with pytest.raises(IntegrityError, match="BASE changed while squash read it"):
+        squash_patches(patches, out, base=base)
+    if isinstance(out, Path):
+        assert not out.exists()
+    else:
+        assert out.getvalue() == b""
