@@ -651,7 +651,11 @@ def _plan(parts: list[tuple[PatchReader, PatchHeader]], base: Checkpoint) -> lis
             if found_size != item.nbytes:
                 # A file of another size (a config.json that `cast` rewrote) says less than
                 # a tensor in another dtype (the step that was missed): that one first.
-                cast = None if info is not None else _cast_mismatch(reader.name, header, base)
+                cast = (
+                    None
+                    if info is not None
+                    else _cast_mismatch(reader.name, header, base, base_tensors)
+                )
                 raise cast or _size_mismatch(reader.name, header, item, base, found_size, info)
         n = blocks_in(item.nbytes, bb)
         if n == 0:  # an empty tensor: a frame with no blocks
@@ -725,16 +729,18 @@ def _size_mismatch(
     )
 
 
-def _cast_mismatch(patch: str, header: PatchHeader, base: Checkpoint) -> IntegrityError | None:
+def _cast_mismatch(
+    patch: str,
+    header: PatchHeader,
+    base: Checkpoint,
+    base_tensors: list[dict[str, TensorInfo]],
+) -> IntegrityError | None:
     """The error of the first tensor the patch reads that BASE has in another float dtype
     (``_other_dtype_hint``), if any."""
     for item in header.items:
         if item.base_file is None or item.base_name is None:
             continue
-        st = base.files[item.base_file].header
-        info = (
-            None if st is None else next((t for t in st.tensors if t.name == item.base_name), None)
-        )
+        info = base_tensors[item.base_file].get(item.base_name)
         if (
             info is not None
             and info.nbytes != item.nbytes

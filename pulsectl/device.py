@@ -74,6 +74,9 @@ def resolve(spec: str) -> str | None:
     raise UsageError(f"--device {spec!r}: give auto, cpu or cuda[:N]", option="--device")
 
 
+_CHECKED: set[str] = set()  # device names check_name took
+
+
 def check_name(device: object) -> None:
     """Refuse (UsageError), before any work, a ``device`` the library functions cannot use: a
     name torch has no device type for, ``"auto"`` (the command line's), or a CUDA device torch
@@ -87,6 +90,8 @@ def check_name(device: object) -> None:
             "device 'auto' is the command line's: pass pulsectl.device.resolve('auto'), a torch "
             "device name, or None for numpy on the CPU"
         )
+    if str(device) in _CHECKED:  # DiffOptions copies (dataclasses.replace) check again
+        return
     import torch
 
     try:
@@ -103,6 +108,7 @@ def check_name(device: object) -> None:
                 f"device {str(device)!r}: torch sees {counted(count, 'CUDA device')} here; use "
                 "'cpu' or None"
             )
+    _CHECKED.add(str(device))
 
 
 def chosen(device: str) -> str:

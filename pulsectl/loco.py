@@ -492,9 +492,7 @@ class _UpdateStream:
             pos_parts.append(nz + b * (bb // 4))
             val_parts.append(words[nz].astype(np.uint32).view(np.float32))
         self._item_fps.append(h.hexdigest())
-        positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
-        values = np.concatenate(val_parts) if val_parts else np.zeros(0, np.float32)
-        return positions, values
+        return _joined(pos_parts, val_parts)
 
     def finish(self) -> None:
         """Check what was read against the trailer (every tensor must have been read)."""
@@ -587,19 +585,18 @@ class _F32Source:
         self.tensors = st.tensors
         self._by_name = {t.name: t for t in st.tensors}
         self.shapes = {t.name: t.shape for t in st.tensors}
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise InputError(f"{path}: cannot open: {exc.strerror}", path=path) from exc
         for t in st.tensors:
             if t.dtype != _F32:
-                os.close(self._fd)
                 raise InputError(
                     f"{path}: tensor {t.name!r} is {t.dtype}; loco works on F32 tensors (the "
                     "FP32 master weights); save them in float32",
                     path=path,
                     tensor=t.name,
                 )
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot open: {exc.strerror}", path=path) from exc
 
     def numel(self, name: str) -> int:
         return self._by_name[name].nbytes // 4
