@@ -776,4 +776,16 @@ def refuse_stdout_as_input(inputs: Sequence[object], what: str) -> None:
                 f"write the {what} elsewhere"
             )
         if where is not None and stat.S_ISDIR(st.st_mode):
-            refuse_inside_folder_input(where, [item], what)
+            try:
+                refuse_inside_folder_input(where, [item], what)
+            except UsageError:
+                # The shell made the file before this process started: the folder holds it now.
+                left = (
+                    "; the shell's '>' has already put it there, empty: remove it"
+                    if not out.st_size
+                    else ""
+                )
+                raise UsageError(
+                    f"standard output is {where}, inside {os.fspath(item)}, a folder checkpoint "
+                    f"this command reads{left}; write the {what} outside the folder"
+                ) from None

@@ -452,6 +452,12 @@ class Checkpoint:
         """Open a checkpoint file or directory, reading and validating every header."""
         root = Path(path)
         if not root.exists():
+            if str(path) == "-":  # stdin, by the convention of the patch arguments
+                raise InputError(
+                    "-: no such file or directory; a checkpoint is read from its file or "
+                    "folder, not from standard input (only patches are)",
+                    path=root,
+                )
             raise InputError(f"{root}: no such file or directory", path=root)
         if root.is_file():
             header = read_header(root)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,16 +39,38 @@ def run_demo(
             )
         if not keep.parent.is_dir():  # as for any output: its folder is the user's to make
             raise missing_folder(keep)
+        made = not keep.exists()
         try:
             keep.mkdir(exist_ok=True)
         except OSError as exc:
             raise os_error(exc, keep) from exc
-        # An interrupt from here on leaves what the demo wrote so far: say so (the folder is
-        # then not empty, and --keep must be given another, or it emptied).
-        _placed.done(f"while the demo was writing into {keep} (remove what it holds to reuse it)")
-        return _run(keep, shape, steps, lr, say)
+        try:
+            return _run(keep, shape, steps, lr, say)
+        except BaseException:
+            # Everything in ``keep`` is the demo's (it was new or empty): a failed or interrupted
+            # demo takes it away, so that the same command can run again.
+            if not _clear(keep, made):
+                _placed.done(
+                    f"while the demo was writing into {keep} (remove what it holds to reuse it)"
+                )
+            raise
     with tempfile.TemporaryDirectory(prefix="pulsectl-demo-") as tmp:
         return _run(Path(tmp), shape, steps, lr, say)
+
+
+def _clear(folder: Path, remove: bool) -> bool:
+    """Delete what ``folder`` holds, and ``folder`` too if ``remove``; whether that worked."""
+    try:
+        for entry in folder.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        if remove:
+            folder.rmdir()
+    except OSError:
+        return False
+    return True
 
 
 def _run(root: Path, shape: str, steps: int, lr: float, say: Callable[[str], None]) -> list[Path]:

@@ -685,6 +685,12 @@ def check_plot_target(path: str | Path, inputs: Sequence[str | Path], force: boo
     """Before any work: refuse a plot path that is one of the command's inputs (even with
     ``force``: the PNG would replace the checkpoint or patch), ends in '/', exists (unless
     ``force``) or is a folder, and a missing matplotlib."""
+    if str(path) == "-":
+        raise UsageError(
+            "--plot -: the plot is written as a PNG file, not to standard output; give a path "
+            "(for a file named '-', its full path)",
+            option="--plot",
+        )
     path = file_path(path, "plot")
     for item in inputs:
         if same_file(path, item):

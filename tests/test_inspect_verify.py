@@ -139,7 +139,43 @@ def test_hash_prints_each_path_as_given(
     assert [line.split("  ", 1)[1] for line in lines] == given
 
 
-def test_an_interrupted_demo_names_the_folder_it_left(
+@pytest.mark.parametrize("made", [True, False], ids=["new-folder", "empty-folder"])
+def test_a_failed_or_interrupted_demo_takes_away_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], made: bool
+) -> None:
+    """A demo that failed (a full disk) left its partial chain in --keep DIR, and the same
+    command then refused DIR as not empty. What the demo wrote goes, and the folder too where
+    the demo made it; an interrupt then says nothing was written."""
+    import pulsectl.demo as demo
+
+    real = demo.generate_chain
+    keep = tmp_path / "kd"
+    if not made:
+        keep.mkdir()
+
+    def failing(root: Path, **kw: object) -> list[Path]:
+        real(root, **kw)  # type: ignore[arg-type]
+        raise OSError(28, "No space left on device")
+
+    def interrupted(root: Path, **kw: object) -> list[Path]:
+        real(root, **kw)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "generate_chain", failing)
+    assert main(["demo", "--keep", str(keep), "--shape", "tiny", "--steps", "1"]) == 1
+    assert keep.exists() is not made and (made or not any(keep.iterdir()))
+    capsys.readouterr()
+    monkeypatch.setattr(demo, "generate_chain", interrupted)
+    assert main(["demo", "--keep", str(keep), "--shape", "tiny", "--steps", "1"]) == 130
+    assert capsys.readouterr().err == (
+        "pulsectl: error: interrupted; no file was written, and standard output may be incomplete\n"
+    )
+    assert keep.exists() is not made and (made or not any(keep.iterdir()))
+    monkeypatch.setattr(demo, "generate_chain", real)
+    assert main(["-q", "demo", "--keep", str(keep), "--shape", "tiny", "--steps", "1"]) == 0
+
+
+def test_an_interrupted_demo_that_cannot_clean_up_names_the_folder_it_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import pulsectl.demo as demo
@@ -151,6 +187,7 @@ def test_an_interrupted_demo_names_the_folder_it_left(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(demo, "generate_chain", interrupted)
+    monkeypatch.setattr(demo, "_clear", lambda folder, remove: False)
     keep = tmp_path / "kd"
     assert main(["demo", "--keep", str(keep), "--shape", "tiny", "--steps", "1"]) == 130
     err = capsys.readouterr().err

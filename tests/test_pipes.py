@@ -269,6 +269,18 @@ def test_stdout_that_fails_after_the_work_is_done_is_a_warning(ab: Path, redirec
     assert (ab / "pulled.safetensors").read_bytes() == (ab / "b.safetensors").read_bytes()
     r = sh(f"pulsectl log store --json {redirect}", ab)  # it reports, having done nothing
     assert r.returncode == 1
+    # prune lists the keys it deleted: they are gone, so the same warning, once, and exit 0
+    # (it was exit 1, "standard output is closed", with the steps deleted all the same); a dry
+    # run deleted nothing: its list is its result, and failing to write it is an error.
+    assert sh("pulsectl -q publish store a.safetensors --anchor", ab).returncode == 0
+    r = sh(f"pulsectl -q prune store --keep-anchors 1 --keep-steps 1 -n {redirect}", ab)
+    assert r.returncode == 1
+    warned(
+        sh(f"pulsectl -q prune store --keep-anchors 1 --keep-steps 1 {redirect}", ab),
+        "store was pruned",
+    )
+    steps = json.loads(sh("pulsectl log store --json", ab).stdout)["steps"]
+    assert [s["step"] for s in steps] == [2]
 
 
 def test_closed_stderr_or_stdin_takes_no_output_with_it(ab: Path) -> None:
@@ -448,4 +460,89 @@ def test_standard_output_that_is_an_input_is_refused(ab: Path) -> None:
     assert one_error_line(r.stderr) == (
         "pulsectl: error: standard output is b.safetensors, an input of this command (it is "
         "empty now: the shell's '>' emptied it first); write the patch elsewhere"
+    )
+    # Into a folder checkpoint that NEW (or OLD) is: the shell has made the file there, which
+    # the folder now holds (its fingerprint changed); the error says to remove it.
+    folder = ab / "fb"
+    folder.mkdir()
+    shutil.copy(ab / "b.safetensors", folder / "model.safetensors")
+    r = sh("pulsectl diff a.safetensors fb > fb/p.pulse", ab)
+    assert r.returncode == 2, r.stderr
+    assert one_error_line(r.stderr) == (
+        f"pulsectl: error: standard output is {folder / 'p.pulse'}, inside fb, a folder "
+        "checkpoint this command reads; the shell's '>' has already put it there, empty: remove "
+        "it; write the patch outside the folder"
+    )
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"PYTHONIOENCODING": "ascii"}, {"LC_ALL": "C", "PYTHONUTF8": "0"}],
+    ids=["ascii", "C-no-utf8-mode"],
+)
+def test_stdout_without_utf8_gets_tables_and_names_it_can_take(ab: Path, env: dict) -> None:
+    """A stdout whose encoding is not UTF-8: stats printed part of its tables, then a
+    traceback and 'internal error' (the bars' block characters); hash of a file whose name is
+    not UTF-8 did the same. The bars are drawn with '#', and a name's bytes go out as they
+    are, as sha256sum writes them."""
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    shutil.copy(ab / "a.safetensors", os.fsdecode(bytes(ab) + b"/bad\xff.safetensors"))
+    full = {**os.environ, **env, "PATH": f"{Path(PULSECTL).parent}{os.pathsep}{os.environ['PATH']}"}
+    for args in (["stats", "a.safetensors", "b.safetensors"], ["stats", "p"]):
+        r = subprocess.run(["pulsectl", *args], cwd=ab, capture_output=True, env=full, timeout=60)
+        assert r.returncode == 0 and r.stderr == b"", r.stderr
+        assert b"| ####" in r.stdout and r.stdout.isascii()
+    r = subprocess.run(
+        ["pulsectl", "hash", os.fsdecode(b"bad\xff.safetensors")],
+        cwd=ab,
+        capture_output=True,
+        env=full,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    digest = xxhash.xxh3_128((ab / "a.safetensors").read_bytes()).hexdigest()
+    assert r.stdout == digest.encode() + b"  bad\xff.safetensors\n"
+
+
+def test_a_patch_is_not_read_from_a_terminal(ab: Path) -> None:
+    """`inspect -` (or apply, stats with '-') with stdin a terminal waited, silent, for
+    typed bytes; as zstd does, it is refused (exit 2)."""
+    import pty
+
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    for args in (
+        ["inspect", "-"],
+        ["stats", "-"],
+        ["apply", "a.safetensors", "p", "-", "-o", "c.safetensors"],
+    ):
+        leader, follower = pty.openpty()
+        try:
+            r = subprocess.run(
+                [PULSECTL, *args], cwd=ab, stdin=follower, capture_output=True, timeout=30
+            )
+        finally:
+            os.close(follower)
+            os.close(leader)
+        assert r.returncode == 2, (args, r.stderr)
+        assert one_error_line(r.stderr) == (
+            "pulsectl: error: refusing to read a binary patch from a terminal; pipe one in "
+            "(... | pulsectl ... -) or give its path"
+        )
+    assert not (ab / "c.safetensors").exists()
+
+
+def test_dash_for_a_checkpoint_or_a_plot_says_what_dash_is_not(ab: Path) -> None:
+    """'-' means stdin for patches only: given for a checkpoint it said "-: no such file or
+    directory"; `stats --plot -` named an option not given ('-o -')."""
+    for script in ("pulsectl hash -", "pulsectl diff - b.safetensors -o p"):
+        r = sh(f"{script} < a.safetensors", ab)
+        assert r.returncode == 1, r.stderr
+        assert one_error_line(r.stderr) == (
+            "pulsectl: error: -: no such file or directory; a checkpoint is read from its file "
+            "or folder, not from standard input (only patches are)"
+        )
+    r = sh("pulsectl stats a.safetensors b.safetensors --plot -", ab)
+    assert r.returncode == 2, r.stderr
+    assert one_error_line(r.stderr).startswith(
+        "pulsectl: error: --plot -: the plot is written as a PNG file, not to standard output"
     )

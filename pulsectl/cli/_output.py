@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import io
@@ -35,12 +36,13 @@ class Output:
     def json(self, obj: Any) -> None:
         self.data(json.dumps(obj, indent=2, sort_keys=False))
 
-    def report(self, text: str, done: str) -> None:
+    def report(self, text: str, done: str) -> bool:
         """``data`` that reports a change already made (``done``: "step 7 was published to
         STORE"). Where stdout cannot take it (full, closed, failing), the change stands and the
         command still succeeds: a caller that retried on exit 1 would publish again, or feed a
         residual back twice. So the failure is a warning naming what was done, shown under -q
-        too; exit 0. (A reader that went away, `| head`, still ends it as for any text.)"""
+        too; exit 0. (A reader that went away, `| head`, still ends it as for any text.)
+        Returns whether ``text`` went out."""
         try:
             self.data(text)
         except OutputError as exc:
@@ -50,6 +52,8 @@ class Output:
             accepted = getattr(sys.stdout, "accept_failure", None)
             if accepted is not None:
                 accepted()
+            return False
+        return True
 
     def report_json(self, obj: Any, done: str) -> None:
         self.report(json.dumps(obj, indent=2, sort_keys=False), done)
@@ -154,6 +158,28 @@ def binary_stdout() -> Any:
     return _GuardedBuffer(guard, "the patch")
 
 
+_UNENCODABLE = "pulsectl-stdout"
+
+
+def _escape_unencodable(exc: UnicodeError) -> tuple[bytes, int]:
+    """The codec error handler ``_UNENCODABLE``: a lone surrogate from a file name's byte
+    (U+DC80-U+DCFF, Python's surrogateescape) as that byte, anything else as ``\\xNN``,
+    ``\\uNNNN`` or ``\\UNNNNNNNN``."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    out = bytearray()
+    for char in exc.object[exc.start : exc.end]:
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(code - 0xDC00)
+        else:
+            out += char.encode("ascii", "backslashreplace")
+    return bytes(out), exc.end
+
+
+codecs.register_error(_UNENCODABLE, _escape_unencodable)
+
+
 class GuardedStdout:
     """``sys.stdout`` while ``main`` runs: a write to stdout that fails (the reader went away,
     the disk is full, stdout was closed with ``>&-``) raises a one-line ``OutputError``, so
@@ -201,9 +227,25 @@ class GuardedStdout:
         self._check()
         self.texted = self.texted or bool(text)
         try:
-            return int(self.stream.write(text))
+            try:
+                return int(self.stream.write(text))
+            except UnicodeEncodeError:  # nothing of ``text`` was written: it is encoded first
+                return self._write_unencodable(text)
         except OSError as exc:
             raise self._failed(exc) from exc
+
+    def _write_unencodable(self, text: str) -> int:
+        """``text`` where stdout's encoding lacks some of its characters (a stdout forced to
+        ASCII, a legacy locale): a file name's bytes that are not UTF-8 go out as they are, as
+        sha256sum writes them, and any other such character as a backslash escape."""
+        raw = getattr(self.stream, "buffer", None)
+        if raw is None:
+            return int(self.stream.write(text.encode("ascii", "backslashreplace").decode()))
+        self.stream.flush()
+        raw.write(text.encode(self.encoding, _UNENCODABLE))
+        if getattr(self.stream, "line_buffering", False) and "\n" in text:
+            raw.flush()
+        return len(text)
 
     def flush(self) -> None:
         if self.stream is None:

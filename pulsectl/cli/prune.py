@@ -36,7 +36,10 @@ def prune(
     out: Output = ctx.obj
     plan = prune_store(store, keep_anchors=keep_anchors, keep_steps=keep_steps, dry_run=dry_run)
     for key, _size in plan.deletions:
-        out.data(key)
+        if dry_run:
+            out.data(key)
+        elif not out.report(key, f"{store} was pruned"):
+            break  # the keys are gone whatever stdout does: one warning, and no more keys
     verb = "would delete" if dry_run else "deleted"
     out.info(
         f"{verb} {counted(len(plan.deleted_steps), 'step')}, "

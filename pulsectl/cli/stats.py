@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +17,7 @@ from pulsectl.errors import escape_controls as shown
 
 _BAR_WIDTH = 24
 _EIGHTHS = " ▏▎▍▌▋▊▉"
+_FULL = "█"
 
 
 def stats(
@@ -110,7 +113,19 @@ def _bar(value: float, largest: float) -> str:
     if largest <= 0:
         return ""
     eighths = round(_BAR_WIDTH * 8 * value / largest)
-    return "█" * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
+    if not _blocks_shown():  # one "#" per cell, rounded
+        return "#" * round(eighths / 8)
+    return _FULL * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
+
+
+def _blocks_shown() -> bool:
+    """Whether stdout's encoding has the block characters of the bars (UTF-8 has; a stdout
+    forced to ASCII, or a legacy locale, may not: the bars are then drawn with '#')."""
+    try:
+        codecs.encode(_FULL + _EIGHTHS, getattr(sys.stdout, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
 
 
 def _table(title: str, columns: list[str]) -> Any:
