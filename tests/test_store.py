@@ -416,6 +416,77 @@ def test_prune_keeps_what_kept_steps_need(
     assert out.read_bytes() == trainer_chain[30].read_bytes()
 
 
+def test_prune_keeps_the_route_around_an_anchor_cut_short(
+    published: Path, trainer_chain: list[Path], tmp_path: Path
+) -> None:
+    """Step 30's anchor cut short (log says MISSING): pull goes round it, from anchor 20 and
+    patches 21..30. prune --keep-steps 1 kept 30 alone and deleted that route, leaving 30
+    unreachable; an anchor whose objects are not all there, at their sizes, ends no route."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    key = manifest(published, 30)["anchor"]["files"][0]["key"]
+    with open(store / key, "r+b") as f:
+        f.truncate(1000)
+    out = tmp_path / "w.safetensors"
+    pull(store, out, step=30)
+    assert out.read_bytes() == trainer_chain[30].read_bytes()
+    for anchors in (1, 0):
+        assert prune(store, keep_anchors=anchors, keep_steps=1).kept_steps == tuple(range(20, 31))
+    pull(store, out, step=30, force=True)
+    assert out.read_bytes() == trainer_chain[30].read_bytes()
+    assert [s["step"] for s in read_log(store)["steps"] if s["reachable"]] == list(range(20, 31))
+
+
+def test_a_patch_pruned_during_a_pull_is_gone_and_pull_goes_round_it(
+    published: Path, trainer_chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder store's patch, checked by the prefetch, then deleted (a prune) before apply
+    opened it: pull failed with exit 1 ("cannot open patch: No such file or directory")
+    instead of planning again; anchor 30 was a route all along."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    out = tmp_path / "w.safetensors"
+    pull(store, out, step=21)
+    pull_mod = importlib.import_module("pulsectl.store.pull")
+    real_apply, real_fetch = pull_mod.apply_patches, pull_mod.fetch_verified
+    doomed_key = manifest(published, 23)["patch"]["key"]
+    checked = threading.Event()
+
+    def fetch(store_: object, stored: object, dest: Path) -> Path:
+        path = real_fetch(store_, stored, dest)
+        if stored.key == doomed_key:  # type: ignore[attr-defined]
+            checked.set()
+        return path
+
+    def apply_then_prune(base, patches, dest, **kw):  # type: ignore[no-untyped-def]
+        if Path(patches[0]) == store / manifest(published, 22)["patch"]["key"]:
+            assert checked.wait(10)  # patch 23 checked, waiting in the prefetch queue
+            (store / doomed_key).unlink()
+        return real_apply(base, patches, dest, **kw)
+
+    monkeypatch.setattr(pull_mod, "fetch_verified", fetch)
+    monkeypatch.setattr(pull_mod, "apply_patches", apply_then_prune)
+    summary = pull(store, out, step=30)
+    assert out.read_bytes() == trainer_chain[30].read_bytes()
+    assert any("deleted from the store while pull was reading it" in b for b in summary.problems)
+
+
+def test_a_worker_on_a_pruned_step_is_told_it_may_be_one(
+    published: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It read as if the file were foreign: 'is not a step of STORE'."""
+    store = tmp_path / "store"
+    shutil.copytree(published, store)
+    out = tmp_path / "w.safetensors"
+    pull(store, out, step=3)
+    prune(store, keep_anchors=1, keep_steps=1)
+    assert main(["pull", str(store), "-o", str(out)]) == 1
+    assert capsys.readouterr().err.endswith(
+        ": another checkpoint, or a step pruned since); pass -f to replace it\n"
+    )
+    assert main(["-q", "pull", str(store), "-o", str(out), "-f"]) == 0
+
+
 def test_prefetch_overlaps_fetch_and_apply(
     published: Path, trainer_chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -188,6 +188,21 @@ def test_an_interrupt_after_the_step_exists_says_so(
         f"pulsectl: error: interrupted while step 3 was being published to {store}; "
         f"`pulsectl log {store}` shows whether it was\n"
     )
+    # While the objects go up: it said "no output was written", with an anchor in the store.
+    real_upload = FolderStore.upload
+
+    def interrupted_upload(self: FolderStore, source: Path, key: str) -> None:
+        real_upload(self, source, key)
+        raise KeyboardInterrupt
+
+    monkeypatch.undo()
+    monkeypatch.setattr(FolderStore, "upload", interrupted_upload)
+    assert main(["publish", str(store), str(chain[3]), *args, "--anchor"]) == 130
+    assert capsys.readouterr().err == (
+        f"pulsectl: error: interrupted before step 3 was published to {store} (objects "
+        "uploaded so far are left for prune)\n"
+    )
+    assert [s[0] for s in steps_of(store)] == [0, 1, 2]
 
 
 def test_publish_makes_only_the_store_folder_and_only_of_a_store(
@@ -248,7 +263,78 @@ def test_a_mistyped_cast_in_a_manifest_is_a_damaged_step(
     path.write_text(json.dumps(doc))
     assert read_log(store)["steps"][0]["error"].endswith("cast is 1, not a dtype name or null")
     assert main(["publish", str(store), str(chain[1]), "--cache", str(cache)]) == 1
-    assert "no step manifest in the store reads (1 damaged)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the last step's manifest is damaged (" in err
+    assert err.endswith(
+        "restore it from a copy, or publish with --step 1 to go on past it (its number stays "
+        "taken)\n"
+    )
+
+
+def test_a_damaged_last_manifest_keeps_its_number(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """publish said to remove a damaged last manifest; its number could then come back with
+    other weights, and a worker that had pulled that step took them for it. Publishing goes on
+    past it, at the number the error gives."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    for p in chain[:3]:
+        publish(store, p, options=PublishOptions(cache_dir=cache))
+    (store / manifest_key(2)).write_bytes(b"{")
+    assert main(["-q", "publish", str(store), str(chain[3]), "--cache", str(cache)]) == 1
+    assert "publish with --step 3 to go on past it" in capsys.readouterr().err
+    assert main(["-q", "publish", str(store), str(chain[3]), "--step", "2"]) == 1
+    capsys.readouterr()
+    assert (
+        main(["-q", "publish", str(store), str(chain[3]), "--step", "3", "--cache", str(cache)])
+        == 0
+    )
+    # The cache holds step 2, whose manifest cannot vouch for it: a full anchor.
+    assert capsys.readouterr().out.startswith("3 anchor ")
+    out = tmp_path / "w.safetensors"
+    assert pull(store, out).step == 3 and out.read_bytes() == chain[3].read_bytes()
+
+
+def test_publish_run_again_for_a_step_it_made_is_done(
+    chain: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trainer restarted after a publish killed once its manifest was up runs the same
+    `publish --step N` again: that was exit 2, a usage error it could not tell from a real
+    one. The step holds these weights: exit 0, the same stdout line, nothing uploaded; other
+    weights for it are still refused."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    for i in (0, 1):
+        assert (
+            main(
+                [
+                    "-q",
+                    "publish",
+                    str(store),
+                    str(chain[i]),
+                    "--step",
+                    str(i),
+                    "--cache",
+                    str(cache),
+                ]
+            )
+            == 0
+        )
+    line = capsys.readouterr().out
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    assert main(["publish", str(store), str(chain[1]), "--step", "1", "--cache", str(cache)]) == 0
+    got = capsys.readouterr()
+    assert got.out == line.splitlines(keepends=True)[1]
+    assert "already holds" in got.err and "nothing was uploaded" in got.err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+    assert (
+        main(["-q", "publish", str(store), str(chain[2]), "--step", "1", "--cache", str(cache)])
+        == 2
+    )
+    assert "the store's last step is 1 (it holds other weights: " in capsys.readouterr().err
+    assert (
+        main(["-q", "publish", str(store), str(chain[0]), "--step", "0", "--cache", str(cache)])
+        == 2
+    )
 
 
 def test_pull_takes_an_empty_folder_as_its_output(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from pulsectl._names import DEFAULT_PREFETCH
-from pulsectl.cli._options import Force, Fsync, Workers
+from pulsectl.cli._options import Fsync, Workers
 from pulsectl.cli._output import Output
 from pulsectl.cli._store_options import StoreUrl
 from pulsectl.errors import UsageError, counted
@@ -29,7 +29,15 @@ def pull(
     step: Annotated[
         str, typer.Option("--step", "-s", metavar="N", help="Step number, or 'latest'.")
     ] = "latest",
-    force: Force = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            "-f",
+            help="Replace CKPT even when it holds no step of STORE (one that does is replaced "
+            "without -f).",
+        ),
+    ] = False,
     prefetch: Annotated[
         int,
         typer.Option(

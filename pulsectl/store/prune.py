@@ -1,8 +1,8 @@
 """prune: delete old steps, never leaving a kept step without the anchor and patches it needs.
 
 Kept: the last ``keep_steps`` steps (always the latest) and the last ``keep_anchors`` anchors,
-plus, for every kept step, each step on its patch chain back to an anchor. Manifests go first
-(so no reader starts on a step whose objects are going), then the objects. Objects of steps up
+plus, for every kept step, each step on its patch chain back to a whole anchor. Manifests go
+first (so no reader starts on a step whose objects are going), then the objects. Objects of steps up
 to the last published one that no kept manifest names (left by an interrupted publish) go
 too; nothing newer than the last manifest is touched, so a publish running meanwhile is safe.
 """
@@ -47,18 +47,19 @@ def plan_prune(store: Store, keep_anchors: int, keep_steps: int) -> PrunePlan:
         return PrunePlan((), (), ())
     # The latest step is always kept: workers are on it, and publish numbers the next step
     # after it (dropping it would let a step number come back with other content).
+    objects = store.list(ANCHORS_PREFIX) | store.list(PATCHES_PREFIX)
     kept: set[int] = set()
     for step in sorted(manifests)[-max(keep_steps, 1) :]:
-        kept |= _path_steps(manifests, manifests[step])
+        kept |= _path_steps(manifests, manifests[step], objects)
     anchors = [s for s in sorted(manifests) if manifests[s].anchor is not None]
-    kept |= set(anchors[-keep_anchors:] if keep_anchors else [])
+    for step in anchors[-keep_anchors:] if keep_anchors else []:
+        kept |= _path_steps(manifests, manifests[step], objects)
 
     deleted = sorted(s for s in manifests if s not in kept)
     steps_listing = store.list("steps/")
     deletions = [(manifest_key(s), steps_listing.get(manifest_key(s), 0)) for s in deleted]
     referenced = {f.key for s in kept for f in manifests[s].files}
     last = max(catalog.steps)
-    objects = store.list(ANCHORS_PREFIX) | store.list(PATCHES_PREFIX)
     for key, size in sorted(objects.items()):
         owner = step_of_data_key(key)
         if owner is None or owner > last or owner in catalog.damaged or key in referenced:
@@ -87,14 +88,23 @@ def prune(
     return plan
 
 
-def _path_steps(manifests: dict[int, StepManifest], m: StepManifest) -> set[int]:
-    """``m`` and every step on its patch chain back to the nearest anchor."""
+def _path_steps(
+    manifests: dict[int, StepManifest], m: StepManifest, objects: dict[str, int]
+) -> set[int]:
+    """``m`` and every step on its patch chain back to the nearest anchor whose objects are
+    all in the store with their manifest's sizes (``objects``: key -> size, as listed). An
+    anchor that is missing or cut short is no end of a route: the chain goes on past it, so
+    that prune does not delete the one route left (the older anchor and its patches)."""
     out = {m.step}
     node = m
-    while node.anchor is None and node.patch is not None:
+    while not _whole_anchor(node, objects) and node.patch is not None:
         prev = manifests.get(node.patch.base_step)
-        if prev is None:
+        if prev is None or prev.step in out:
             break
         out.add(prev.step)
         node = prev
     return out
+
+
+def _whole_anchor(m: StepManifest, objects: dict[str, int]) -> bool:
+    return m.anchor is not None and all(objects.get(f.key) == f.size for f in m.anchor)

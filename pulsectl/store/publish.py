@@ -80,6 +80,9 @@ class PublishSummary:
     # Set when the step was published but the cache's copy of it could not be kept (a full
     # disk): the next publish then uploads a full anchor.
     cache_problem: str | None = None
+    # The step was there already, holding these weights (`publish --step N` run again after
+    # a publish that was killed once its manifest was up): nothing was uploaded.
+    already: bool = False
 
 
 def default_cache_dir(store: Store) -> Path:
@@ -126,27 +129,26 @@ def publish(
         _make_store_folder(Path(store.url))
     catalog = Catalog(store)
     last = catalog.latest()
-    if catalog.steps and last is None:
+    latest = catalog.latest_step
+    damaged_last = latest is not None and (last is None or last.step != latest)
+    if latest is not None and damaged_last and (step is None or step <= latest):
+        # Removing it would let its number come back with other weights, which workers that
+        # pulled it would take for the same step: the next number goes on past it instead.
         raise InputError(
-            f"{store.url}: no step manifest in the store reads ({len(catalog.steps)} damaged); "
-            "repair or remove them before publishing"
-        )
-    if catalog.latest_step is not None and (last is None or last.step != catalog.latest_step):
-        raise InputError(
-            f"{store.where(manifest_key(catalog.latest_step))}: the last step's manifest is "
-            f"damaged ({catalog.damaged.get(catalog.latest_step)}); remove it before publishing"
+            f"{store.where(manifest_key(latest))}: the last step's manifest is damaged "
+            f"({catalog.damaged.get(latest)}); restore it from a copy, or publish with --step "
+            f"{latest + 1} to go on past it (its number stays taken)"
         )
     if step is None:
         step = 0 if last is None else last.step + 1
     if step < 0:
         raise UsageError(f"--step {step}: give 0 or more", option="--step")
+    again = False  # the same step again: fine only with the same weights (a retried publish)
     if last is not None:
-        if step <= last.step:
-            raise UsageError(
-                f"--step {step}: the store's last step is {last.step}; steps are immutable, "
-                f"publish a later step (default {last.step + 1})",
-                option="--step",
-            )
+        if step == last.step:
+            again = True
+        elif step < last.step:
+            raise _immutable(step, last)
         if last.layout != source.layout:
             raise UsageError(
                 f"{checkpoint} is a {_word(source.layout)}, but {store.url} holds "
@@ -178,6 +180,16 @@ def publish(
             except OSError as exc:
                 raise os_error(exc, cache) from exc
         target = _snapshot(Path(checkpoint), source, work, options.cast)
+        if again:
+            assert last is not None
+            held = fingerprint_of(Checkpoint.open(target))
+            if held != last.target_fingerprint:
+                raise _immutable(step, last, f" (it holds other weights: {held})")
+            say(
+                f"step {step} of {store.url} already holds {checkpoint} (fingerprint {held}); "
+                "nothing was uploaded"
+            )
+            return PublishSummary(last, "already published", 0, cache, already=True)
         manifest, reason, uploaded = _publish_step(
             store, catalog, last, step, target, work, cache, options, say
         )
@@ -194,6 +206,14 @@ def publish(
         if work is not None:
             remove(work)
     return PublishSummary(manifest, reason, uploaded, cache, cache_problem)
+
+
+def _immutable(step: int, last: StepManifest, why: str = "") -> UsageError:
+    return UsageError(
+        f"--step {step}: the store's last step is {last.step}{why}; steps are immutable, "
+        f"publish a later step (default {last.step + 1})",
+        option="--step",
+    )
 
 
 def _snapshot(checkpoint: Path, source: Checkpoint, work: Path, cast: str | None) -> Path:
@@ -363,6 +383,11 @@ def _publish_step(
     )
 
     uploaded = 0
+    # An interrupt from here on may leave objects in the store, but no step: say so.
+    _placed.done(
+        f"before step {step} was published to {store.url} (objects uploaded so far are left "
+        "for prune)"
+    )
     if not catalog.steps and not store.exists(MARKER_KEY):
         store.write(
             MARKER_KEY, canonical_json({"format": "pulsectl-store", "schema": STORE_SCHEMA})

@@ -164,7 +164,8 @@ def pull(
             )
             raise OutputError(
                 f"{out}: exists and is not a step of {store.url}{maybe} (fingerprint "
-                f"{local_fp}); pass -f to replace it",
+                f"{local_fp}: another checkpoint, or a step pruned since); pass -f to replace "
+                "it",
                 path=out,
             )
 
@@ -420,7 +421,20 @@ def _execute(
             nxt = work / f"step-{m.step}{suffix}"
             try:
                 apply_patches(current, [paths[0]], nxt, force=True, workers=workers)
-            except IntegrityError as exc:
+            except (IntegrityError, InputError) as exc:
+                # A folder store's objects are read where they lie: one deleted since it was
+                # checked (a prune, an `rsync --delete-after` of the mirror) is gone from the
+                # store, as if it had never been there.
+                anchor_in_place = plan.local is None and not current.is_relative_to(work)
+                if anchor_in_place and plan.start.anchor and not current.exists():
+                    key = plan.start.anchor[0].key
+                    raise _Broken(key, f"{store.where(key)}: {_GONE}") from None
+                if not paths[0].exists():
+                    raise _Broken(
+                        m.patch.key, f"{store.where(m.patch.key)}: {_GONE}", (current_fp, current)
+                    ) from None
+                if isinstance(exc, InputError):
+                    raise
                 raise _broken(m.patch.key, exc, (current_fp, current)) from None
             finally:
                 if paths[0].is_relative_to(work):
@@ -432,6 +446,9 @@ def _execute(
     finally:
         fetcher.close()
         fetched[0] += fetcher.fetched
+
+
+_GONE = "deleted from the store while pull was reading it (a prune meanwhile?)"
 
 
 def _broken(key: str, err: BaseException, reached: tuple[str, Path] | None = None) -> BaseException:

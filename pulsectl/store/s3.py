@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pulsectl._atomic import os_error, remove
-from pulsectl.errors import InputError, OutputError, UsageError
+from pulsectl.errors import InputError, IntegrityError, OutputError, UsageError, counted
 from pulsectl.store.base import MissingObjectError, ObjectExistsError, Store
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
@@ -31,6 +31,12 @@ def _boto3() -> Any:
             "extra), or pipe patches through `aws s3 cp - s3://...`"
         ) from None
     return boto3
+
+
+def _damaged(where: str, exc: Exception) -> IntegrityError:
+    """The object's bytes failed S3's own checksum (on the way, or at rest): damaged, as a
+    fingerprint mismatch is, so that pull looks for another way (exit 3 when there is none)."""
+    return IntegrityError(f"{where}: damaged: S3's checksum does not match ({exc})", path=where)
 
 
 class S3Store(Store):
@@ -51,10 +57,18 @@ class S3Store(Store):
         except (bx.BotoCoreError, ValueError) as exc:
             # A mistyped AWS_PROFILE, region or AWS_ENDPOINT_URL: botocore says which.
             raise UsageError(f"{self.url}: cannot set up the S3 client: {exc}") from None
+        # s3transfer retries a download whose body stalls or breaks off on its own, 5 times
+        # unless told; the attempts the user set for botocore (AWS_MAX_ATTEMPTS, max_attempts
+        # in ~/.aws/config) bound those too, or a stalled body cost 5 read timeouts whatever
+        # was set.
+        attempts = (getattr(self.client.meta.config, "retries", None) or {}).get(
+            "total_max_attempts"
+        )
         self.transfer = transfer_config or TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD,
             multipart_chunksize=MULTIPART_CHUNK,
             max_concurrency=MAX_CONCURRENCY,
+            num_download_attempts=attempts if isinstance(attempts, int) and attempts > 0 else 5,
         )
 
     def _key(self, key: str) -> str:
@@ -78,10 +92,21 @@ class S3Store(Store):
                 raise self._client_error(cause, where) from None
             raise InputError(f"{where}: upload failed: {exc}", path=where) from None
         except b3x.RetriesExceededError as exc:
-            # download_file gave up: the body broke off on every attempt.
+            # download_file gave up: the body broke off, stalled or came damaged every time.
+            last = exc.last_exception
+            if isinstance(last, bx.FlexibleChecksumError):
+                raise _damaged(where, last) from None
+            if isinstance(last, bx.ReadTimeoutError):
+                why = "the server stopped sending it (read timeout)"
+            else:
+                why = str(last)
+            attempts = self.transfer.num_download_attempts
             raise InputError(
-                f"{where}: download failed after retries: {exc.last_exception}", path=where
+                f"{where}: download failed after {counted(attempts, 'attempt')}: {why}",
+                path=where,
             ) from None
+        except bx.FlexibleChecksumError as exc:
+            raise _damaged(where, exc) from None
         except bx.NoCredentialsError:
             raise InputError(
                 f"{where}: no AWS credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
