@@ -76,6 +76,8 @@ def decompress(data: bytes | memoryview, size: int, *, at_most: bool = False) ->
         params = zstandard.get_frame_parameters(data)
         if at_most and 0 <= params.content_size <= size:
             size = params.content_size
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise CorruptPatchError(f"zstd frame does not state its size (expected {size})")
         if params.content_size != size:
             raise CorruptPatchError(
                 f"zstd frame holds {params.content_size} bytes, expected {size}"

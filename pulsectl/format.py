@@ -371,6 +371,10 @@ def _load_json(body: bytes, name: str, what: str) -> dict[str, Any]:
         size = zstandard.get_frame_parameters(body).content_size
     except zstandard.ZstdError as exc:
         raise CorruptPatchError(f"{name}: {what} is damaged ({exc})", path=name) from exc
+    if size == zstandard.CONTENTSIZE_UNKNOWN:
+        raise CorruptPatchError(
+            f"{name}: {what} is damaged (its zstd frame does not state its size)", path=name
+        )
     if not 0 < size <= MAX_JSON_BYTES:
         raise CorruptPatchError(f"{name}: {what} claims {size} bytes of JSON", path=name)
     try:

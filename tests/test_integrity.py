@@ -658,3 +658,34 @@ def test_payloads_writers_would_not_write_still_decode(
     assert any(seen), "the golden patch has no block this rewrite changes"
     assert main(["-q", "apply", str(base), str(odd), "-o", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t").read_bytes() == target.read_bytes()
+
+
+def test_a_frame_that_does_not_state_its_size_says_so(
+    tmp_path: Path, capsys: Capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FORMAT.md: every frame states its content size. One that did not was reported as
+    holding 18446744073709551615 bytes (zstd's 'unknown')."""
+    from pulsectl import _zstd
+    from pulsectl.errors import CorruptPatchError
+
+    bare = zstandard.ZstdCompressor(write_content_size=False).compress(b"abc")
+    with pytest.raises(
+        CorruptPatchError, match=r"^zstd frame does not state its size \(expected 3\)$"
+    ):
+        _zstd.decompress(bare, 3)
+    src = GOLDEN / "single.pulse"
+    base = GOLDEN / "single_base.safetensors"
+    out = tmp_path / "out"
+    out.mkdir()
+    bad = tmp_path / "bad.pulse"
+    monkeypatch.setattr(
+        format_module,
+        "_pack_json",
+        lambda obj: zstandard.ZstdCompressor(write_content_size=False).compress(
+            format_module.canonical_json(obj)
+        ),
+    )
+    _rewrite(src, bad)
+    monkeypatch.undo()
+    msg = _fails(capsys, ["apply", str(base), str(bad), "-o", str(out / "t")], 3, out, [base])
+    assert msg.endswith("header is damaged (its zstd frame does not state its size)"), msg
