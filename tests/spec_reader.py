@@ -120,26 +120,55 @@ class STHeader:
         return 8 + len(self.raw) + self.data_size
 
 
+def _unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    req(len(set(keys)) == len(keys), "a key twice in a safetensors header")
+    return dict(pairs)
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def parse_st_header(raw: bytes, strict_tiling=True) -> STHeader:
+    """FORMAT.md, Header: a valid safetensors header, as the document defines one."""
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except SpecError:
+        raise
     except Exception as e:
         raise SpecError(f"bad safetensors header: {e}") from e
     req(isinstance(obj, dict), "safetensors header not an object")
     tensors = {}
     for name, t in obj.items():
         if name == "__metadata__":
+            req(
+                t is None or (isinstance(t, dict) and all(isinstance(v, str) for v in t.values())),
+                "__metadata__ is neither an object of strings nor null",
+            )
             continue
-        dtype = t["dtype"]
-        shape = t["shape"]
-        b, e = t["data_offsets"]
-        req(0 <= b <= e, f"bad offsets for {name}")
+        req(isinstance(t, dict), f"entry of {name} not an object")
+        req(all(k in t for k in ("dtype", "shape", "data_offsets")), f"entry of {name} lacks a key")
+        dtype, shape, offsets = t["dtype"], t["shape"], t["data_offsets"]
         req(dtype in WORD, f"unknown dtype {dtype}")
-        req((math.prod(shape) * BITS[dtype] + 7) // 8 == e - b, f"shape/size mismatch for {name}")
+        req(
+            isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape),
+            f"shape of {name} is not a list of non-negative integers",
+        )
+        req(math.prod(shape) < 2**64, f"shape of {name} has 2**64 elements or more")
+        req(
+            isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets),
+            f"data_offsets of {name} are not two integers",
+        )
+        b, e = offsets
+        req(0 <= b <= e, f"bad offsets for {name}")
+        bits = math.prod(shape) * BITS[dtype]
+        req(bits % 8 == 0, f"{name}: a sub-byte tensor that does not end at a byte boundary")
+        req(bits // 8 == e - b, f"shape/size mismatch for {name}")
         tensors[name] = (dtype, shape, b, e)
-    ranges = sorted((b, e) for (_, _, b, e) in tensors.values())
+    ranges = sorted((b, e, n) for n, (_, _, b, e) in tensors.items())
     pos = 0
-    for b, e in ranges:
+    for b, e, _ in ranges:
         if strict_tiling:
             req(b == pos, f"tensors do not tile the data section (at {pos}, next {b})")
         pos = max(pos, e)
@@ -472,6 +501,9 @@ def parse_patch(raw: bytes) -> Patch:
     pos = 24 + hlen
 
     H = header
+    for key in ("layout", "block_bytes", "writer", "base", "files", "items"):
+        req(key in H, f"header: missing field {key!r}")
+    req(isinstance(H["writer"], str), "header: writer is not a string")
     layout = H["layout"]
     req(layout in ("file", "dir"), "bad layout")
     bb = H["block_bytes"]
@@ -572,6 +604,10 @@ def parse_patch(raw: bytes) -> Patch:
         size = tgt_headers[files.index(hf)].file_size if hf["kind"] == "safetensors" else hf["size"]
         req(f["size"] == size, f"trailer size of {hf['path']!r} {f['size']} != header's {size}")
     req(len(trailer["items"]) == len(items), "trailer items count")
+    for r, it in zip(trailer["items"], items, strict=True):
+        changed, encoded = r.get("changed"), r.get("encoded")
+        req(_is_int(changed) and 0 <= changed <= it["nbytes"] // it["word"], "trailer: bad changed")
+        req(_is_int(encoded) and encoded >= 0, "trailer: bad encoded")
     req(trailer["frames"] == offsets, f"trailer frames {trailer['frames']} != actual {offsets}")
     return Patch(raw, header, trailer, frames, offsets, hcanon, tcanon, tgt_headers)
 

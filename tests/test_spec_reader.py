@@ -148,3 +148,146 @@ def test_the_document_refuses_what_pulsectl_refuses(fresh: Path, tmp_path: Path)
             3,
         ), what
         assert not out.exists()
+
+
+def _whole_patch(base: Path, header_text: str, data: bytes, items: list, out: Path) -> Path:
+    """A patch from the document, every item stored whole (codec 1), over ``base``; ``items``
+    are (name, begin, end, word) in the document's order. Returns the target's path."""
+    import struct
+
+    import xxhash
+    from _faultkit import build_patch
+
+    def fp(b: bytes) -> str:
+        return xxhash.xxh3_128_hexdigest(b)
+
+    raw = header_text.encode()
+    target = struct.pack("<Q", len(raw)) + raw + data
+    old = base.read_bytes()
+    one = {"path": "", "size": len(old), "fingerprint": fp(old)}
+    header = {
+        "layout": "file",
+        "block_bytes": 8388608,
+        "writer": "test",
+        "base": {"fingerprint": fp(old), "files": [one]},
+        "files": [{"path": "", "kind": "safetensors", "header": header_text}],
+        "items": [
+            {
+                "file": 0,
+                "name": n,
+                "nbytes": e - b,
+                "word": w,
+                "base": None,
+                "base_fingerprint": None,
+            }
+            for n, b, e, w in items
+        ],
+    }
+    frames = [[(1, data[b:e])] if e > b else [] for _, b, e, _ in items]
+    trailer = {
+        "target": {
+            "fingerprint": fp(target),
+            "files": [{"path": "", "size": len(target), "fingerprint": fp(target)}],
+        },
+        "items": [
+            {
+                "fingerprint": fp(data[b:e]),
+                "changed": (e - b) // w,
+                "encoded": 16 + 16 * len(f) + (e - b),
+            }
+            for (_, b, e, w), f in zip(items, frames, strict=True)
+        ],
+    }
+    out.write_bytes(build_patch(header, frames, trailer))
+    path = out.with_suffix(".target")
+    path.write_bytes(target)
+    return path
+
+
+_F32 = '"dtype":"F32","shape":[1],"data_offsets":[0,4]'
+_NOT_SAFETENSORS = {
+    "an F4 tensor that ends inside a byte": (
+        '{"q":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}',
+        b"\x12\x03",
+        [("q", 0, 2, 1)],
+    ),
+    "an F6 tensor that ends inside a byte": (
+        '{"q":{"dtype":"F6_E2M3","shape":[3],"data_offsets":[0,3]}}',
+        b"\1\2\3",
+        [("q", 0, 3, 1)],
+    ),
+    "__metadata__ with a number": (
+        '{"__metadata__":{"n":1},"a":{' + _F32 + "}}",
+        b"\1\2\3\4",
+        [("a", 0, 4, 4)],
+    ),
+    "__metadata__ a string": (
+        '{"__metadata__":"s","a":{' + _F32 + "}}",
+        b"\1\2\3\4",
+        [("a", 0, 4, 4)],
+    ),
+    "a key twice": ('{"a":{' + _F32 + '},"a":{' + _F32 + "}}", b"\1\2\3\4", [("a", 0, 4, 4)]),
+    "a float in a shape": (
+        '{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}',
+        b"\1\2\3\4",
+        [("a", 0, 4, 4)],
+    ),
+    "negative dimensions": (
+        '{"a":{"dtype":"F32","shape":[-1,-4],"data_offsets":[0,16]}}',
+        b"\1" * 16,
+        [("a", 0, 16, 4)],
+    ),
+    "a float offset": (
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}}',
+        b"\1\2\3\4",
+        [("a", 0, 4, 4)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_NOT_SAFETENSORS))
+def test_a_stored_header_that_is_not_valid_is_refused_by_both(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FORMAT.md said only 'a valid safetensors header' (and `ceil(n·b/8)` bytes, which admits
+    a sub-byte tensor ending inside a byte): a reader from the document took patches pulsectl
+    refuses. The official safetensors reader refuses each of these headers too, but the key
+    given twice (it keeps the last). The document now says what valid is; both readers refuse
+    each, and take the same patch with a plain header."""
+    base = tmp_path / "base.safetensors"
+    save_file({"x": np.zeros(1, dtype=np.uint8)}, str(base))
+    control = tmp_path / "control.pulse"
+    target = _whole_patch(base, '{"a":{' + _F32 + "}}", b"\1\2\3\4", [("a", 0, 4, 4)], control)
+    assert _spec_apply(base, control, tmp_path / "s0") == {"": target.read_bytes()}
+    assert _pulsectl_apply(base, control, tmp_path / "p0") == {"": target.read_bytes()}
+    bad = tmp_path / "bad.pulse"
+    _whole_patch(base, *_NOT_SAFETENSORS[case], bad)
+    with pytest.raises(spec_reader.SpecError):
+        spec_reader.apply_patch(str(base), bad.read_bytes(), str(tmp_path / "s1"))
+    capsys.readouterr()
+    assert main(["-q", "apply", str(base), str(bad), "-o", str(tmp_path / "p1")]) == 3
+    assert "stored safetensors header is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "p1").exists()
+
+
+def test_the_header_fields_the_document_requires(tmp_path: Path) -> None:
+    """writer is required (pulsectl refused a patch without it; the document called it only
+    informational), and the trailer's changed is at most the item's words."""
+    import json
+
+    base = tmp_path / "base.safetensors"
+    save_file({"x": np.zeros(1, dtype=np.uint8)}, str(base))
+    good = tmp_path / "good.pulse"
+    _whole_patch(base, '{"a":{' + _F32 + "}}", b"\1\2\3\4", [("a", 0, 4, 4)], good)
+    from _faultkit import build_patch, parse_patch
+
+    parts = parse_patch(good.read_bytes())
+    no_writer = {k: v for k, v in parts.header.items() if k != "writer"}
+    too_many = json.loads(json.dumps(parts.trailer))
+    too_many["items"][0]["changed"] = 2
+    for header, trailer in ((no_writer, parts.trailer), (parts.header, too_many)):
+        bad = tmp_path / "bad.pulse"
+        bad.write_bytes(build_patch(header, parts.frames, trailer))
+        with pytest.raises(spec_reader.SpecError):
+            spec_reader.apply_patch(str(base), bad.read_bytes(), str(tmp_path / "s"))
+        assert main(["-q", "apply", str(base), str(bad), "-o", str(tmp_path / "p")]) == 3
