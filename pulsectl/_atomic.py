@@ -781,7 +781,8 @@ def refuse_stdout_as_input(inputs: Sequence[object], what: str) -> None:
             except UsageError:
                 # The shell made the file before this process started: the folder holds it now.
                 left = (
-                    "; the shell's '>' has already put it there, empty: remove it"
+                    "; the shell's '>' has already made that file there, empty (a new file "
+                    "the folder now holds, or one of its own, emptied)"
                     if not out.st_size
                     else ""
                 )

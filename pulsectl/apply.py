@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +56,7 @@ from pulsectl.format import (
     blocks_in,
     open_patch,
     read_trailer_at_end,
+    refuse_terminal_input,
 )
 from pulsectl.hashing import checkpoint_fingerprint, fingerprint_range, new_hasher
 from pulsectl.patch import (
@@ -99,6 +101,23 @@ class _Headers:
         return self._headers[reader]
 
 
+def _open_late(
+    source: PatchSource, stdin: BinaryIO | None, stack: contextlib.ExitStack
+) -> PatchReader:
+    """A patch read only when its turn comes ('-', a named pipe); a pipe is closed at the end."""
+    reader, stream = open_patch(source, stdin)
+    if isinstance(source, (str, Path)) and str(source) != "-":
+        stack.callback(stream.close)
+    return reader
+
+
+def _is_pipe(source: str | Path) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(source).st_mode)
+    except OSError:
+        return False
+
+
 def apply_patches(
     base: str | Path,
     patches: Sequence[PatchSource],
@@ -124,8 +143,11 @@ def apply_patches(
     check_name(device)
     if not patches:
         raise UsageError("no patch given")
-    if sum(1 for p in patches if isinstance(p, (str, Path)) and str(p) == "-") > 1:
+    dashes = sum(1 for p in patches if isinstance(p, (str, Path)) and str(p) == "-")
+    if dashes > 1:
         raise UsageError("standard input ('-') can be given as a patch only once")
+    if dashes and stdin is None:
+        refuse_terminal_input()  # before any work on the patches ahead of it
     if _is_patch(base_path):
         raise UsageError(
             f"{base}: BASE is a .pulse patch; give the checkpoint first, then the patches "
@@ -159,8 +181,10 @@ def apply_patches(
             stack.enter_context(_updating(base_path, on_wait))
         opened: list[tuple[PatchReader | None, PatchSource]] = []
         for source in patches:
-            if isinstance(source, (str, Path)) and str(source) == "-":
-                opened.append((None, source))  # read its header when its turn comes
+            if isinstance(source, (str, Path)) and (str(source) == "-" or _is_pipe(source)):
+                # Read its header when its turn comes: a pipe's writer may be the one that
+                # writes the patches before it (`mkfifo`, one producer), and would wait.
+                opened.append((None, source))
                 continue
             reader, stream = open_patch(source)
             if isinstance(source, (str, Path)):
@@ -170,7 +194,7 @@ def apply_patches(
         _check_chain(opened, headers)
 
         current = Checkpoint.open(base_path)
-        first = opened[0][0] or open_patch(opened[0][1], stdin)[0]
+        first = opened[0][0] or _open_late(opened[0][1], stdin, stack)
         opened[0] = (first, opened[0][1])
         first_header = headers(first)
         if current.layout != first_header.layout:
@@ -211,7 +235,7 @@ def apply_patches(
             for batch in _batches(opened, first_header, headers):
                 i = batch[0]
                 maybe_reader, source = opened[i]
-                reader = maybe_reader or open_patch(source, stdin)[0]
+                reader = maybe_reader or _open_late(source, stdin, stack)
                 header = first_header if i == 0 else headers(reader)
                 parts = [(reader, header)]
                 if header.scope == "tensors":

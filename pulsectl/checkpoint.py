@@ -190,8 +190,8 @@ def _parse_entry(name: str, entry: object, data_start: int, path: str | Path) ->
     if dtype not in DTYPES:
         raise fail(f"unknown dtype {dtype!r}")
     shape = entry["shape"]
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise fail(f"shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < _MAX_ELEMENTS for d in shape):
+        raise fail(f"shape must be a list of integers in [0, 2**64), got {shape!r}")
     numel = 1
     for d in shape:  # stop early: the product of a hostile shape could have millions of digits
         numel *= d

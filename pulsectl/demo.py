@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import time
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pulsectl import _placed
-from pulsectl._atomic import missing_folder, os_error
+from pulsectl._atomic import TEMP_MARK, missing_folder, os_error
 from pulsectl.apply import apply_patches
 from pulsectl.diff import diff_to_path
 from pulsectl.errors import OutputError, UsageError, counted
@@ -59,18 +60,25 @@ def run_demo(
 
 
 def _clear(folder: Path, remove: bool) -> bool:
-    """Delete what ``folder`` holds, and ``folder`` too if ``remove``; whether that worked."""
+    """Delete what the demo writes in ``folder`` (its chain, patches, rebuilt checkpoint, and
+    temps of these), never another name that appeared there meanwhile; and ``folder`` too if
+    ``remove`` and it is then empty. Whether the demo's files are all gone."""
     try:
         for entry in folder.iterdir():
+            if not _DEMO_NAME.fullmatch(entry.name) and TEMP_MARK not in entry.name:
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
-        if remove:
+        if remove and not any(folder.iterdir()):
             folder.rmdir()
     except OSError:
         return False
     return True
+
+
+_DEMO_NAME = re.compile(r"chain|rebuilt\.safetensors|step_\d{3,}\.pulse")
 
 
 def _run(root: Path, shape: str, steps: int, lr: float, say: Callable[[str], None]) -> list[Path]:

@@ -154,23 +154,26 @@ def standard_input() -> BinaryIO:
     return reader
 
 
-def _is_terminal(stream: object) -> bool:
+def refuse_terminal_input() -> None:
+    """UsageError when standard input, about to be read for a patch ('-'), is a terminal: as
+    zstd does, since a forgotten '|' would otherwise wait, silent, for typed bytes."""
     try:
-        return bool(stream.isatty())  # type: ignore[attr-defined]
+        terminal = bool(sys.stdin.isatty())
     except (AttributeError, OSError, ValueError):
-        return False
+        terminal = False
+    if terminal:
+        raise UsageError(
+            "refusing to read a binary patch from a terminal; pipe one in "
+            "(... | pulsectl ... -) or give its path"
+        )
 
 
 def open_patch(source: PatchSource, stdin: BinaryIO | None = None) -> tuple[PatchReader, BinaryIO]:
     """Open a patch file, ``-`` (standard input) or a binary stream and read its header."""
     if isinstance(source, (str, Path)):
         if str(source) == "-":
-            if stdin is None and _is_terminal(sys.stdin):
-                # As zstd does: a forgotten '|' would otherwise wait, silent, for typed bytes.
-                raise UsageError(
-                    "refusing to read a binary patch from a terminal; pipe one in "
-                    "(... | pulsectl ... -) or give its path"
-                )
+            if stdin is None:
+                refuse_terminal_input()
             stream = stdin or standard_input()
             name = STDIN_NAME
         else:

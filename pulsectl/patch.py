@@ -174,7 +174,7 @@ def header_from_json(
             v.fail("an item is not an object")
         file_index = v.int_in(raw, "file", 0, len(files) - 1)
         target = files[file_index]
-        item_name = raw.get("name")
+        item_name = v.get(raw, "name")
         nbytes = v.int_in(raw, "nbytes", 0, 2**63)
         word = v.int_in(raw, "word", 1, 8)
         if word not in _WORDS:
@@ -194,13 +194,13 @@ def header_from_json(
             if word != DTYPES[exp[4]].word:
                 v.fail(f"item {item_name!r} has word size {word}, dtype {exp[4]} needs another")
             start = exp[2]
-        base_ref = raw.get("base")
+        base_ref = v.get(raw, "base")
         base_file = base_name = base_item_fp = None
         if base_ref is not None:
             if not isinstance(base_ref, dict):
                 v.fail("an item's base is not an object")
             base_file = v.int_in(base_ref, "file", 0, len(base_files) - 1)
-            base_name = base_ref.get("name")
+            base_name = v.get(base_ref, "name")
             if not (base_name is None or isinstance(base_name, str)):
                 v.fail("an item's base name is not a string")
             if (base_name is None) != (item_name is None):

@@ -155,7 +155,8 @@ def parse_st_header(raw: bytes, strict_tiling=True) -> STHeader:
             isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape),
             f"shape of {name} is not a list of non-negative integers",
         )
-        req(math.prod(shape) < 2**64, f"shape of {name} has 2**64 elements or more")
+        req(all(d < 2**64 for d in shape), f"a dimension of {name} is 2**64 or more")
+        req(math.prod(shape) <= 2**64, f"shape of {name} has more than 2**64 elements")
         req(
             isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets),
             f"data_offsets of {name} are not two integers",
@@ -487,6 +488,14 @@ class Patch:
     target_headers: dict = field(default_factory=dict)  # file index -> STHeader
 
 
+def _need(obj, what, *keys):
+    """FORMAT.md: every field shown is required (``scope``, ``loco`` and a null base's
+    ``base_fingerprint`` aside)."""
+    req(isinstance(obj, dict), f"{what} is not an object")
+    for key in keys:
+        req(key in obj, f"{what}: missing field {key!r}")
+
+
 def parse_patch(raw: bytes) -> Patch:
     req(len(raw) >= 24 + 8 + 24, "too short")
     req(raw[:8] == MAGIC, "bad magic")
@@ -501,9 +510,24 @@ def parse_patch(raw: bytes) -> Patch:
     pos = 24 + hlen
 
     H = header
-    for key in ("layout", "block_bytes", "writer", "base", "files", "items"):
-        req(key in H, f"header: missing field {key!r}")
+    _need(H, "header", "layout", "block_bytes", "writer", "base", "files", "items")
     req(isinstance(H["writer"], str), "header: writer is not a string")
+    _need(H["base"], "header base", "fingerprint", "files")
+    for f in H["base"]["files"]:
+        _need(f, "a base file", "path", "size", "fingerprint")
+    for f in H["files"]:
+        _need(
+            f,
+            "a target file",
+            "path",
+            "kind",
+            "header" if f.get("kind") == "safetensors" else "size",
+        )
+    for it in H["items"]:
+        _need(it, "an item", "file", "name", "nbytes", "word", "base")
+        if it["base"] is not None:
+            _need(it["base"], "an item's base", "file", "name")
+            _need(it, "an item", "base_fingerprint")
     layout = H["layout"]
     req(layout in ("file", "dir"), "bad layout")
     bb = H["block_bytes"]
@@ -598,6 +622,12 @@ def parse_patch(raw: bytes) -> Patch:
     req(xxh64(raw[: pos + 8]) == fsum, "file checksum mismatch")
 
     # trailer structure
+    _need(trailer, "trailer", "target", "items", "frames")
+    _need(trailer["target"], "trailer target", "fingerprint", "files")
+    for f in trailer["target"]["files"]:
+        _need(f, "a trailer file", "path", "size", "fingerprint")
+    for r in trailer["items"]:
+        _need(r, "a trailer item", "fingerprint", "changed", "encoded")
     tf = trailer["target"]["files"]
     req([(f["path"]) for f in tf] == [f["path"] for f in files], "trailer file paths differ")
     for f, hf in zip(tf, files, strict=True):
@@ -664,6 +694,7 @@ def apply_patch(base_path, patch_raw, out_path, check_base_fp=False):
     have = set(base.files())
     for f in bfiles:
         req(f["path"] in have, f"base lacks file {f['path']!r}")
+    req(have == {f["path"] for f in bfiles}, "base has a file that base.files does not list")
     if check_base_fp and scope == "checkpoint":
         req(ckpt_fingerprint(base_path) == H["base"]["fingerprint"], "base fingerprint mismatch")
 

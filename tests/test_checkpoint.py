@@ -647,7 +647,11 @@ def test_headers_the_official_reader_takes_are_read_and_kept(tmp_path: Path) -> 
         ({"dtype": "U8", "shape": [1]}, "(missing data_offsets)"),
         ({"dtype": 8, "shape": [1], "data_offsets": [0, 1]}, "dtype must be a string, got 8"),
         (_entry("F7", [1], 0, 1), "unknown dtype 'F7'"),
-        (_entry("U8", [-1], 0, 1), "shape must be a list of non-negative integers, got [-1]"),
+        (_entry("U8", [-1], 0, 1), "shape must be a list of integers in [0, 2**64), got [-1]"),
+        # A dimension past u64 with another of 0: no elements, but not a safetensors shape
+        # (the official reader refuses it; it was taken, and [2**64 + 1, 0] was not).
+        (_entry("U8", [0, 2**64 + 1], 0, 0), "shape must be a list of integers in [0, 2**64)"),
+        (_entry("U8", [2**64 + 1, 0], 0, 0), "shape must be a list of integers in [0, 2**64)"),
         (_entry("U8", [1.0], 0, 1), "shape must be a list"),  # type: ignore[list-item]
         (_entry("U8", [True], 0, 1), "shape must be a list"),
         ({"dtype": "U8", "shape": 1, "data_offsets": [0, 1]}, "shape must be a list"),

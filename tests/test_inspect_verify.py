@@ -171,6 +171,17 @@ def test_a_failed_or_interrupted_demo_takes_away_what_it_wrote(
         "pulsectl: error: interrupted; no file was written, and standard output may be incomplete\n"
     )
     assert keep.exists() is not made and (made or not any(keep.iterdir()))
+
+    # A file another program wrote there meanwhile is not the demo's: it stays.
+    def foreign_then_interrupted(root: Path, **kw: object) -> list[Path]:
+        (root.parent / "notes.txt").write_text("mine")
+        return interrupted(root, **kw)
+
+    monkeypatch.setattr(demo, "generate_chain", foreign_then_interrupted)
+    assert main(["demo", "--keep", str(keep), "--shape", "tiny", "--steps", "1"]) == 130
+    assert sorted(p.name for p in keep.iterdir()) == ["notes.txt"]
+    (keep / "notes.txt").unlink()
+    capsys.readouterr()
     monkeypatch.setattr(demo, "generate_chain", real)
     assert main(["-q", "demo", "--keep", str(keep), "--shape", "tiny", "--steps", "1"]) == 0
 

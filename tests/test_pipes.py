@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -470,8 +471,9 @@ def test_standard_output_that_is_an_input_is_refused(ab: Path) -> None:
     assert r.returncode == 2, r.stderr
     assert one_error_line(r.stderr) == (
         f"pulsectl: error: standard output is {folder / 'p.pulse'}, inside fb, a folder "
-        "checkpoint this command reads; the shell's '>' has already put it there, empty: remove "
-        "it; write the patch outside the folder"
+        "checkpoint this command reads; the shell's '>' has already made that file there, empty "
+        "(a new file the folder now holds, or one of its own, emptied); write the patch outside "
+        "the folder"
     )
 
 
@@ -502,6 +504,28 @@ def test_stdout_without_utf8_gets_tables_and_names_it_can_take(ab: Path, env: di
     assert r.returncode == 0, r.stderr
     digest = xxhash.xxh3_128((ab / "a.safetensors").read_bytes()).hexdigest()
     assert r.stdout == digest.encode() + b"  bad\xff.safetensors\n"
+    # A name that is UTF-8 but not ASCII: its bytes, not a '\xe9' that (without hash's
+    # leading backslash) names another file by sha256sum's rules.
+    shutil.copy(ab / "a.safetensors", ab / "\u00e9.safetensors")
+    r = subprocess.run(
+        ["pulsectl", "hash", "\u00e9.safetensors"],
+        cwd=ab,
+        capture_output=True,
+        env=full,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    if env.get("PYTHONIOENCODING") == "ascii":  # under LC_ALL=C the name came in as bytes
+        assert r.stdout == digest.encode() + b"  \xc3\xa9.safetensors\n"
+    # An encoding that takes no bytes from an error handler (UTF-16): escapes, not a traceback.
+    r = subprocess.run(
+        ["pulsectl", "hash", os.fsdecode(b"bad\xff.safetensors")],
+        cwd=ab,
+        capture_output=True,
+        env={**full, "PYTHONIOENCODING": "utf-16"},
+        timeout=60,
+    )
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
 
 
 def test_a_patch_is_not_read_from_a_terminal(ab: Path) -> None:
@@ -546,3 +570,63 @@ def test_dash_for_a_checkpoint_or_a_plot_says_what_dash_is_not(ab: Path) -> None
     assert one_error_line(r.stderr).startswith(
         "pulsectl: error: --plot -: the plot is written as a PNG file, not to standard output"
     )
+
+
+def test_a_terminal_for_a_later_patch_is_refused_before_any_work(
+    ab: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`apply BASE P1 -` from a terminal applied P1 in full, then refused '-'."""
+    import io
+
+    import pulsectl.apply as apply_module
+    from pulsectl.errors import UsageError
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def no_work(*a: object, **kw: object) -> None:
+        raise AssertionError("a patch was opened")
+
+    assert sh("pulsectl diff a.safetensors b.safetensors -o p", ab).returncode == 0
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr(apply_module, "open_patch", no_work)
+    with pytest.raises(UsageError, match="refusing to read a binary patch from a terminal"):
+        apply_module.apply_patches(ab / "a.safetensors", [ab / "p", "-"], ab / "c.safetensors")
+    assert not (ab / "c.safetensors").exists()
+
+
+def test_patches_on_named_pipes_fed_by_one_producer_in_turn(tmp_path: Path) -> None:
+    """One producer writes the patches into named pipes one after the other (a single link):
+    apply opened every patch before reading the first to its end, and both waited for ever
+    once the first was larger than a pipe's buffer. A pipe is read when its turn comes."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    steps = [torch.randn(256, 512, generator=g).bfloat16()]
+    for _ in range(2):  # about half of the words move by up to 200 units in the last place
+        w = steps[-1].view(torch.int16).clone()
+        moved = torch.rand(w.shape, generator=g) < 0.5
+        w[moved] += torch.randint(1, 200, (int(moved.sum()),), generator=g, dtype=torch.int16)
+        steps.append(w.view(torch.bfloat16))
+    for i, t in enumerate(steps):
+        save_file({"w": t}, str(tmp_path / f"s{i}.safetensors"))
+    for i in (1, 2):
+        r = sh(f"pulsectl diff s{i - 1}.safetensors s{i}.safetensors -o p{i}.pulse", tmp_path)
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p1.pulse").stat().st_size > 1 << 16  # more than a pipe holds
+    fifos = [tmp_path / "f1", tmp_path / "f2"]
+    for f in fifos:
+        os.mkfifo(f)
+
+    def produce() -> None:
+        for i, fifo in enumerate(fifos, 1):
+            with contextlib.suppress(BrokenPipeError), open(fifo, "wb") as out:
+                out.write((tmp_path / f"p{i}.pulse").read_bytes())
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    r = sh("pulsectl -q apply s0.safetensors f1 f2 -o out.safetensors", tmp_path)
+    producer.join(10)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "s2.safetensors").read_bytes()

@@ -285,9 +285,32 @@ def test_the_header_fields_the_document_requires(tmp_path: Path) -> None:
     no_writer = {k: v for k, v in parts.header.items() if k != "writer"}
     too_many = json.loads(json.dumps(parts.trailer))
     too_many["items"][0]["changed"] = 2
-    for header, trailer in ((no_writer, parts.trailer), (parts.header, too_many)):
+    cases = [(no_writer, parts.trailer), (parts.header, too_many)]
+    for drop in ("base.fingerprint", "items.name", "items.base", "base.files.size"):
+        header = json.loads(json.dumps(parts.header))
+        where, key = drop.rsplit(".", 1)
+        obj = header
+        for part in where.split("."):
+            obj = obj[part][0] if isinstance(obj[part], list) else obj[part]
+        del obj[key]
+        cases.append((header, parts.trailer))
+    for header, trailer in cases:
         bad = tmp_path / "bad.pulse"
         bad.write_bytes(build_patch(header, parts.frames, trailer))
         with pytest.raises(spec_reader.SpecError):
             spec_reader.apply_patch(str(base), bad.read_bytes(), str(tmp_path / "s"))
         assert main(["-q", "apply", str(base), str(bad), "-o", str(tmp_path / "p")]) == 3
+
+
+def test_a_folder_base_with_a_file_more_is_refused_by_both(tmp_path: Path) -> None:
+    """The document says the base holds the files of base.files and no other; the reader from
+    the document rebuilt the target from such a base, which pulsectl refuses (exit 3)."""
+    chain = generate_chain(tmp_path / "c", "tiny", steps=1, lr=3e-6, seed=4, shards=2)
+    patch = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch)]) == 0
+    base = tmp_path / "base"
+    shutil.copytree(chain[0], base)
+    (base / "notes.txt").write_text("a file more")
+    with pytest.raises(spec_reader.SpecError, match="base has a file"):
+        spec_reader.apply_patch(str(base), patch.read_bytes(), str(tmp_path / "s"))
+    assert main(["-q", "apply", str(base), str(patch), "-o", str(tmp_path / "o")]) == 3

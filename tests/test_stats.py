@@ -365,3 +365,15 @@ def test_a_chain_mixing_files_and_folders_is_refused(chain: list[Path], tmp_path
     shutil.copy(chain[1], folder / "model.safetensors")
     with pytest.raises(UsageError, match="not both files or both folders"):
         chain_stats([chain[0], folder, chain[2]], (1,))
+
+
+def test_ascii_bars_round_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a stdout without block characters a bar of 0.55 cells showed no '#' (rounded to
+    eighths, then to cells)."""
+    import io
+
+    from pulsectl.cli import stats as cli_stats
+
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    assert cli_stats._bar(0.55, 24.0) == "#"
+    assert cli_stats._bar(24.0, 24.0) == "#" * 24

@@ -471,6 +471,40 @@ def test_a_patch_pruned_during_a_pull_is_gone_and_pull_goes_round_it(
     assert any("deleted from the store while pull was reading it" in b for b in summary.problems)
 
 
+def test_a_folder_anchor_losing_a_file_during_a_pull_is_the_one_gone(
+    trainer_chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder anchor read in place lost its config.json (a prune deleting its files in turn)
+    before the first patch applied to it: pull blamed the patch and, with no way left round
+    it, said the step was unreachable, though anchor 0 and its patches were a route."""
+    folders = []
+    for i, f in enumerate(trainer_chain[:4]):
+        d = tmp_path / f"ck{i}"
+        d.mkdir()
+        shutil.copy(f, d / "model.safetensors")
+        (d / "config.json").write_text('{"a": 1}')
+        folders.append(d)
+    store = tmp_path / "store"
+    for d in folders:
+        publish(store, d, options=PublishOptions(anchor_every=2, cache_dir=tmp_path / "cache"))
+    pull_mod = importlib.import_module("pulsectl.store.pull")
+    real_apply = pull_mod.apply_patches
+
+    pruned: list[Path] = []
+
+    def apply_after_a_prune(base, patches, dest, **kw):  # type: ignore[no-untyped-def]
+        if Path(base).is_relative_to(store) and not pruned:
+            pruned.append(Path(base) / "config.json")
+            pruned[0].unlink()
+        return real_apply(base, patches, dest, **kw)
+
+    monkeypatch.setattr(pull_mod, "apply_patches", apply_after_a_prune)
+    summary = pull(store, tmp_path / "out", step=3)
+    assert summary.start == "anchor of step 0"
+    assert tree_bytes(tmp_path / "out") == tree_bytes(folders[3])
+    assert any("config.json: deleted from the store" in p for p in summary.problems)
+
+
 def test_a_worker_on_a_pruned_step_is_told_it_may_be_one(
     published: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

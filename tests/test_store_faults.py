@@ -335,6 +335,13 @@ def test_publish_run_again_for_a_step_it_made_is_done(
         main(["-q", "publish", str(store), str(chain[0]), "--step", "0", "--cache", str(cache)])
         == 2
     )
+    # Killed once the manifest was up, the publish left its cache without the step (a fresh
+    # cache here): the run that finds it done keeps the copy, so the next step is a patch.
+    fresh = ["--cache", str(tmp_path / "fresh-cache")]
+    assert main(["-q", "publish", str(store), str(chain[1]), "--step", "1", *fresh]) == 0
+    capsys.readouterr()
+    assert main(["-q", "publish", str(store), str(chain[2]), *fresh]) == 0
+    assert capsys.readouterr().out.startswith("2 patch ")
 
 
 def test_pull_takes_an_empty_folder_as_its_output(tmp_path: Path) -> None:

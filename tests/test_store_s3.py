@@ -375,11 +375,12 @@ class _FlipProxy:
     """A TCP proxy in front of the S3 server that flips the first body byte of each response
     to a request naming ``key_part``: bytes damaged on their way from S3."""
 
-    def __init__(self, port: int, key_part: str) -> None:
+    def __init__(self, port: int, key_part: str, times: int | None = None) -> None:
         import threading
 
         self.target, self.key_part = port, key_part.encode()
         self.flipped = 0
+        self.times = times  # responses to flip (None: every one)
         self.server = socket.socket()
         self.server.bind(("127.0.0.1", 0))
         self.server.listen(16)
@@ -407,7 +408,8 @@ class _FlipProxy:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
                 if data[:4] in (b"GET ", b"HEAD") and self.key_part in data.split(b"\r\n", 1)[0]:
-                    state["pending"] = data[:4] == b"GET "
+                    more = self.times is None or self.flipped < self.times
+                    state["pending"] = data[:4] == b"GET " and more
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
@@ -476,3 +478,30 @@ def test_download_attempts_follow_aws_max_attempts(
     assert open_store(f"s3://{BUCKET}/x").transfer.num_download_attempts == 1
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
     assert open_store(f"s3://{BUCKET}/x").transfer.num_download_attempts == 5
+
+
+def test_a_manifest_damaged_on_its_way_once_is_read_again(
+    s3: dict[str, str], chain: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore does not retry a response that fails S3's checksum; a manifest flipped once on
+    the way is read again. Flipped on every read, it is a damaged step (pull takes the step
+    before it, with a warning), not the end of the command."""
+    from pulsectl.store import read_log
+
+    url = f"s3://{BUCKET}/flip-manifest"
+    opts = PublishOptions(cache_dir=tmp_path / "cache")
+    for p in chain[:3]:
+        publish(url, p, options=opts)
+    port = int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    out = tmp_path / "w.safetensors"
+    for times, step in ((1, 2), (None, 1)):
+        proxy = _FlipProxy(port, manifest_key(2), times=times)
+        try:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+            kinds = [s["kind"] for s in read_log(url)["steps"]]
+            assert kinds == ["anchor", "patch", "patch" if times else "damaged"]
+            assert pull(url, out, force=True).step == step
+            assert out.read_bytes() == chain[step].read_bytes()
+            assert proxy.flipped >= 1
+        finally:
+            proxy.close()

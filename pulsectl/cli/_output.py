@@ -162,9 +162,10 @@ _UNENCODABLE = "pulsectl-stdout"
 
 
 def _escape_unencodable(exc: UnicodeError) -> tuple[bytes, int]:
-    """The codec error handler ``_UNENCODABLE``: a lone surrogate from a file name's byte
-    (U+DC80-U+DCFF, Python's surrogateescape) as that byte, anything else as ``\\xNN``,
-    ``\\uNNNN`` or ``\\UNNNNNNNN``."""
+    """The codec error handler ``_UNENCODABLE``: the characters stdout's encoding lacks go out
+    as the bytes they stand for, as sha256sum writes a file name: a lone surrogate from a
+    name's byte that is not UTF-8 (U+DC80-U+DCFF, Python's surrogateescape) as that byte,
+    anything else in UTF-8 (no escape of our own: `hash` lines have their own)."""
     if not isinstance(exc, UnicodeEncodeError):
         raise exc
     out = bytearray()
@@ -173,7 +174,7 @@ def _escape_unencodable(exc: UnicodeError) -> tuple[bytes, int]:
         if 0xDC80 <= code <= 0xDCFF:
             out.append(code - 0xDC00)
         else:
-            out += char.encode("ascii", "backslashreplace")
+            out += char.encode("utf-8", "surrogatepass")
     return bytes(out), exc.end
 
 
@@ -241,8 +242,12 @@ class GuardedStdout:
         raw = getattr(self.stream, "buffer", None)
         if raw is None:
             return int(self.stream.write(text.encode("ascii", "backslashreplace").decode()))
+        try:
+            data = text.encode(self.encoding, _UNENCODABLE)
+        except UnicodeError:  # an encoding that takes no bytes from a handler (UTF-16)
+            data = text.encode(self.encoding, "backslashreplace")
         self.stream.flush()
-        raw.write(text.encode(self.encoding, _UNENCODABLE))
+        raw.write(data)
         if getattr(self.stream, "line_buffering", False) and "\n" in text:
             raw.flush()
         return len(text)

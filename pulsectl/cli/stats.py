@@ -112,9 +112,9 @@ def stats(
 def _bar(value: float, largest: float) -> str:
     if largest <= 0:
         return ""
-    eighths = round(_BAR_WIDTH * 8 * value / largest)
     if not _blocks_shown():  # one "#" per cell, rounded
-        return "#" * round(eighths / 8)
+        return "#" * round(_BAR_WIDTH * value / largest)
+    eighths = round(_BAR_WIDTH * 8 * value / largest)
     return _FULL * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from pulsectl.errors import FormatError, InputError
+from pulsectl.errors import FormatError, InputError, IntegrityError
 from pulsectl.store.base import MissingObjectError, Store
 from pulsectl.store.layout import (
     MARKER_KEY,
@@ -53,8 +53,9 @@ class Catalog:
         try:
             key = manifest_key(step)
             manifest = manifest_from_bytes(self.store.read(key), key, self.store.where(key))
-        except (MissingObjectError, FormatError) as exc:
-            self.damaged[step] = str(exc)  # pruned meanwhile, or not a manifest
+        except (MissingObjectError, FormatError, IntegrityError) as exc:
+            # pruned meanwhile, not a manifest, or bytes that fail S3's checksum every time
+            self.damaged[step] = str(exc)
             return None
         self._manifests[step] = manifest
         return manifest

@@ -189,7 +189,16 @@ def publish(
                 f"step {step} of {store.url} already holds {checkpoint} (fingerprint {held}); "
                 "nothing was uploaded"
             )
-            return PublishSummary(last, "already published", 0, cache, already=True)
+            problem = None
+            try:  # as after a publish: the next patch is made against this copy
+                with interrupts_deferred():
+                    _update_head(cache, store, last, target, work)
+            except PulseError as exc:
+                problem = (
+                    f"the publish cache was not updated ({exc.message}); the next publish to "
+                    f"{store.url} will upload a full anchor"
+                )
+            return PublishSummary(last, "already published", 0, cache, problem, already=True)
         manifest, reason, uploaded = _publish_step(
             store, catalog, last, step, target, work, cache, options, say
         )

@@ -426,9 +426,14 @@ def _execute(
                 # checked (a prune, an `rsync --delete-after` of the mirror) is gone from the
                 # store, as if it had never been there.
                 anchor_in_place = plan.local is None and not current.is_relative_to(work)
-                if anchor_in_place and plan.start.anchor and not current.exists():
-                    key = plan.start.anchor[0].key
-                    raise _Broken(key, f"{store.where(key)}: {_GONE}") from None
+                if anchor_in_place and plan.start.anchor:
+                    gone = [
+                        f.key
+                        for f in plan.start.anchor
+                        if not (current / PurePosixPath(f.path) if f.path else current).exists()
+                    ]
+                    if gone:
+                        raise _Broken(gone[0], f"{store.where(gone[0])}: {_GONE}") from None
                 if not paths[0].exists():
                     raise _Broken(
                         m.patch.key, f"{store.where(m.patch.key)}: {_GONE}", (current_fp, current)

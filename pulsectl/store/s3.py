@@ -20,6 +20,7 @@ MULTIPART_THRESHOLD = 64 * 1024 * 1024
 MULTIPART_CHUNK = 64 * 1024 * 1024
 MAX_CONCURRENCY = 8
 DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
+CHECKSUM_READS = 3  # reads of a small object (a manifest) whose bytes fail S3's checksum
 
 
 def _boto3() -> Any:
@@ -97,7 +98,8 @@ class S3Store(Store):
             if isinstance(last, bx.FlexibleChecksumError):
                 raise _damaged(where, last) from None
             if isinstance(last, bx.ReadTimeoutError):
-                why = "the server stopped sending it (read timeout)"
+                timeout = getattr(self.client.meta.config, "read_timeout", None)
+                why = f"read timed out (nothing arrived for {timeout} s)"
             else:
                 why = str(last)
             attempts = self.transfer.num_download_attempts
@@ -145,9 +147,17 @@ class S3Store(Store):
         return found
 
     def read(self, key: str) -> bytes:
-        with self._errors(key):
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-            return bytes(body.read())
+        # botocore does not retry a response whose bytes fail S3's checksum: bytes damaged on
+        # the way are read again; only bytes that fail every time are the object's own damage.
+        for attempt in range(1, CHECKSUM_READS + 1):
+            try:
+                with self._errors(key):
+                    body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+                    return bytes(body.read())
+            except IntegrityError:
+                if attempt == CHECKSUM_READS:
+                    raise
+        raise AssertionError("unreachable")
 
     def fetch(self, key: str, dest: Path) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
