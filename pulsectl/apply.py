@@ -376,7 +376,11 @@ def _batches(
             files = None
             continue
         mine = {item.name or "" for item in header.items}
-        layout = [(f.path, f.header.raw if f.header else f.size) for f in header.files]
+        # One pass reads every part's blocks with one block size: parts made with another
+        # (DiffOptions.block_bytes, another writer) go in a pass of their own.
+        layout = [header.block_bytes] + [
+            (f.path, f.header.raw if f.header else f.size) for f in header.files
+        ]
         if files is not None and layout == files and not (mine & names):
             batches[-1].append(i)
             names |= mine

@@ -12,6 +12,7 @@ import fnmatch
 import functools
 import struct
 import threading
+import warnings
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -255,6 +256,14 @@ def _diff_sources(
                 f"no tensor matches --tensors/--exclude; nothing to patch (NEW has {some})",
                 option="--tensors",
             )
+        for flag, patterns in (("--tensors", options.tensors), ("--exclude", options.exclude)):
+            for pattern in patterns:  # one of several that selects nothing: likely a typo
+                if not any(_Globs((pattern,)).matches(n) for n in names):
+                    warnings.warn(
+                        f"{flag} {pattern!r} matches no tensor of NEW (the patterns are "
+                        "fnmatch globs: '[[]' matches a '[')",
+                        stacklevel=2,
+                    )
         scope = "tensors"
 
     def make_header() -> PatchHeader:

@@ -556,7 +556,9 @@ def apply_patch(
     # save_pretrained keep a tied output weight once): they follow their twin's in-place writes.
     carried_whole = {item.name for item in header.items if item.base_name is None}
     followers = _tied_followers(state, targets, carried_whole)
-    keep_followers = _check_entries(state, header.items, targets, name, replace, followers)
+    keep_followers = _check_entries(
+        state, header.items, targets, name, replace, followers, block=header.scope == "tensors"
+    )
 
     # 2. Decode and verify everything on the host; nothing is touched yet. The workers read
     # the base tensors on their own threads, so on each device's default stream, not the
@@ -672,7 +674,7 @@ def apply_patch(
                 memory[where] = torch.from_numpy(update.words[lo : lo + _SCATTER_WORDS]).to(
                     memory.device
                 )
-    for key in [k for k in state if k not in targets]:
+    for key in [k for k in state if k not in targets and header.scope != "tensors"]:
         if not (keep_followers and key in followers):
             del state[key]
     if header.scope == "tensors":
@@ -726,13 +728,16 @@ def _check_entries(
     patch_name: str,
     replace: bool | None,
     followers: Collection[str] = (),
+    block: bool = False,
 ) -> bool:
     """Refuse, before anything is written, a patch that must add, remove or replace entries of
     ``state`` when ``replace`` says no (see apply_patch). Tied ``followers`` of a tensor patched
     in place are not counted as removed; returns whether to keep them in ``state`` (the mapping
     may not change: a module's, or ``replace=False``)."""
     replaced = [item.name for item in items if item.base_name is None and item.name is not None]
-    removed = [key for key in state if key not in targets and key not in followers]
+    # A block patch replaces its own tensors and nothing else: an entry the checkpoint lacks (a
+    # buffer saved apart, say) stays, as a full patch would remove it.
+    removed = [] if block else [key for key in state if key not in targets and key not in followers]
     if replace is True:
         return False
     # A module's: model.state_dict() (its `_metadata`), or any mapping that holds a Parameter

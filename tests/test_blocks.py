@@ -340,3 +340,31 @@ def test_a_block_patch_is_compared_with_its_own_tensors(tmp_path: Path, chain, c
     assert f"{covered / size:.1f}x smaller than its tensors" in capsys.readouterr().out
     assert main(["inspect", str(out)]) == 0
     assert f"ratio          {covered / size:.1f}x (bytes of its tensors" in capsys.readouterr().out
+
+
+def test_block_patches_with_other_block_sizes_apply_together(tmp_path: Path, chain):
+    """Two block patches of one update, one made with DiffOptions(block_bytes=4096): given
+    together they were refused as damaged ("frame head ... is damaged", exit 3), their blocks
+    read with the first one's size in one pass."""
+    old, new = chain[0], chain[1]
+    small, default = tmp_path / "l0.pulse", tmp_path / "rest.pulse"
+    diff_to_path(old, new, small, options=replace(OPTIONS, tensors=("model.layers.0.*",)))
+    diff_to_path(old, new, default, options=DiffOptions(exclude=("model.layers.0.*",)))
+    assert read_patch_info(small).header.block_bytes != read_patch_info(default).header.block_bytes
+    for order in ([small, default], [default, small]):
+        out = tmp_path / "out.safetensors"
+        apply_patches(old, order, out, force=True)
+        assert out.read_bytes() == new.read_bytes()
+
+
+def test_a_pattern_that_selects_nothing_is_a_warning(tmp_path: Path, chain, capsys):
+    """`--tensors norm --tensors 'model.layers.9.*'` on a model without layer 9 was silent."""
+    old, new = chain[0], chain[1]
+    out = tmp_path / "p.pulse"
+    argv = ["diff", str(old), str(new), "-o", str(out), "--tensors", "model.layers.0.*"]
+    assert main([*argv, "--tensors", "model.layers.9.*", "--exclude", "nothing*"]) == 0
+    err = capsys.readouterr().err
+    assert "pulsectl: warning: --tensors 'model.layers.9.*' matches no tensor of NEW" in err
+    assert "pulsectl: warning: --exclude 'nothing*' matches no tensor of NEW" in err
+    assert main([*argv, "-f"]) == 0
+    assert "warning" not in capsys.readouterr().err

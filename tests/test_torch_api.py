@@ -592,6 +592,31 @@ def test_a_block_patch_returns_what_the_state_now_is(tmp_path: Path) -> None:
         assert _same(bad, before)
 
 
+def test_a_block_patch_leaves_entries_the_checkpoint_lacks(tmp_path: Path) -> None:
+    """A block patch replaces its own tensors only: an entry the checkpoint lacks (a buffer
+    saved apart) was deleted from a plain dict, and a module's mapping was refused with "the
+    patch removes tensor ...", as for a full patch."""
+    from pulsectl.blocks import diff_blocks
+
+    old, new = _state(1), _step(_state(1), 2)
+    save_file(old, tmp_path / "a.safetensors")
+    save_file(new, tmp_path / "b.safetensors")
+    written = diff_blocks(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "p.pulse", 1
+    )
+    extra = torch.arange(4.0)
+    plain = {**{k: v.clone() for k, v in old.items()}, "rotary.inv_freq": extra}
+    module = {
+        **{k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in old.items()},
+        "rotary.inv_freq": extra,
+    }
+    for state in (plain, module):
+        for path, _ in written:
+            apply_patch(state, path)
+        assert state["rotary.inv_freq"] is extra
+        assert _same({k: v for k, v in state.items() if k != "rotary.inv_freq"}, new)
+
+
 def test_trailing_empty_tensors_with_one_worker() -> None:
     """The frame heads of empty tensors at the end of the file are read too: with one worker
     (inline) or no block at all, apply_patch took a valid patch for a damaged trailer."""

@@ -60,8 +60,9 @@ def diff(
         typer.Option(
             "--tensors",
             metavar="GLOB",
-            help="A block patch of only the tensors matching GLOB (repeatable). It binds only "
-            "those tensors and applies on its own; OLD and NEW must have the same layout.",
+            help="A block patch of only the tensors matching GLOB (repeatable; fnmatch, "
+            "case-sensitive, '[[]' for a '['). It binds only those tensors and applies on its "
+            "own; OLD and NEW must have the same layout.",
         ),
     ] = None,
     exclude: Annotated[
