@@ -297,13 +297,30 @@ def _deliver(signum: int, handler: Any) -> None:
         signal.raise_signal(signum)
 
 
+# Longest file name most filesystems take (ext4, xfs, btrfs, tmpfs: bytes).
+NAME_MAX = 255
+# Room left after a temp prefix: tempfile's 8 random characters, or 16 hex digits, and spare.
+_TEMP_TAIL = 24
+
+
+def temp_prefix(name: str, mark: str = TEMP_MARK) -> str:
+    """``.NAME`` + ``mark``: how pulsectl names a temp beside ``NAME`` (the caller adds the
+    random part). A long NAME is cut short, so that an output name the system takes (up to
+    NAME_MAX bytes) still leaves room for its temp's."""
+    room = NAME_MAX - _TEMP_TAIL - len(os.fsencode(mark)) - 1
+    raw = os.fsencode(name)
+    if len(raw) > room:
+        name = os.fsdecode(raw[:room])  # a cut inside a character keeps its bytes as they are
+    return f".{name}{mark}"
+
+
 def temp_path(path: Path) -> Path:
     """A fresh hidden name in the folder of ``path`` (not created)."""
     # Creating it is the first write to the folder (read-only, full, no permission?). It is
     # removed again before an interrupt can end this function.
     with interrupts_deferred():
         try:
-            fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
+            fd, name = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
         except OSError as exc:
             raise os_error(exc, path) from exc
         os.close(fd)
@@ -343,7 +360,7 @@ def atomic_file(
         # stop this function.
         with interrupts_deferred():
             try:
-                fd, name = tempfile.mkstemp(prefix=f".{path.name}{TEMP_MARK}", dir=path.parent)
+                fd, name = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
             except OSError as exc:
                 raise os_error(exc, path) from exc
             tmp = Path(name)
@@ -446,7 +463,9 @@ def _set_aside(old: Path, path: Path) -> Path:
     """``old`` renamed to a fresh ``.NAME.pulsectl-kept-*`` beside ``path``; ``old`` itself if
     that fails (then a failure to carry leaves it where the caller's clean-up removes it)."""
     try:
-        kept = Path(tempfile.mkdtemp(prefix=f".{path.name}.pulsectl-kept-", dir=path.parent))
+        kept = Path(
+            tempfile.mkdtemp(prefix=temp_prefix(path.name, ".pulsectl-kept-"), dir=path.parent)
+        )
     except OSError:
         return old
     try:
@@ -675,6 +694,17 @@ def _umask() -> int:
     return mask
 
 
+def is_temp_of(path: Path, out: Path) -> bool:
+    """Whether ``path`` is a temp written for ``out`` (beside it, named as pulsectl names its
+    temps), or lies inside one (a temp folder's files)."""
+    prefix = temp_prefix(out.name)
+    folder = os.path.abspath(out.parent)
+    for where in (path, *path.parents):
+        if where.name.startswith(prefix) and os.path.abspath(where.parent) == folder:
+            return True
+    return False
+
+
 def error_of_output(exc: PulseError, out: Path) -> OutputError:
     """``exc``, which names a temp written for ``out`` (removed by now), as ``out``'s error:
     OUT is the name the user knows."""
@@ -739,7 +769,7 @@ def _output_of(exc: PulseError, tmps: Sequence[Path], targets: Sequence[Path]) -
     named = Path(exc.path)
     for tmp, target in zip(tmps, targets, strict=True):
         if named == tmp or (
-            named.parent == tmp.parent and named.name.startswith(f".{tmp.name}{TEMP_MARK}")
+            named.parent == tmp.parent and named.name.startswith(temp_prefix(tmp.name))
         ):
             return target
     return None

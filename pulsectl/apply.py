@@ -27,8 +27,10 @@ import numpy as np
 from pulsectl._atomic import (
     check_folder_target,
     check_target,
+    error_of_output,
     file_path,
     install,
+    is_temp_of,
     os_error,
     refuse_inside_folder_input,
     remove,
@@ -43,6 +45,7 @@ from pulsectl.device import check_name
 from pulsectl.errors import (
     CorruptPatchError,
     FormatError,
+    InputError,
     IntegrityError,
     OutputError,
     PulseError,
@@ -139,6 +142,43 @@ def apply_patches(
     into the base blocks there; None does it with numpy. With ``in_place``, runs that update
     the same BASE take turns (``on_wait`` is told when this one has to wait).
     """
+    target = Path(base) if in_place else Path(out) if out is not None else None
+    try:
+        return _apply_patches(
+            base,
+            patches,
+            out,
+            in_place=in_place,
+            force=force,
+            workers=workers,
+            progress=progress,
+            stdin=stdin,
+            durable=durable,
+            device=device,
+            on_wait=on_wait,
+        )
+    except OutputError as exc:
+        # A write that failed midway names the temp it was writing, removed by now: OUT is
+        # the name the user knows.
+        if target is not None and exc.path is not None and is_temp_of(Path(exc.path), target):
+            raise error_of_output(exc, target) from None
+        raise
+
+
+def _apply_patches(
+    base: str | Path,
+    patches: Sequence[PatchSource],
+    out: str | Path | None,
+    *,
+    in_place: bool,
+    force: bool,
+    workers: int | None,
+    progress: Progress | None,
+    stdin: BinaryIO | None,
+    durable: bool,
+    device: str | None,
+    on_wait: Callable[[str], None] | None,
+) -> ApplySummary:
     base_path = Path(base)
     check_name(device)
     if not patches:
@@ -148,6 +188,13 @@ def apply_patches(
         raise UsageError("standard input ('-') can be given as a patch only once")
     if dashes and stdin is None:
         refuse_terminal_input()  # before any work on the patches ahead of it
+    try:
+        mode: int | None = os.stat(base_path).st_mode
+    except OSError:
+        mode = None  # missing: the checkpoint reader says so
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        # A named pipe would wait in open() (the patch test, the --in-place lock) for ever.
+        raise InputError(f"{base}: not a regular file or directory", path=str(base))
     if _is_patch(base_path):
         raise UsageError(
             f"{base}: BASE is a .pulse patch; give the checkpoint first, then the patches "
@@ -1097,6 +1144,8 @@ def _check_space(out: Path, need: int) -> None:
 def _is_patch(path: Path) -> bool:
     """Whether ``path`` is a file that starts as a .pulse patch does."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False  # a named pipe would wait for a writer in open()
         with open(path, "rb") as f:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:

@@ -53,6 +53,7 @@ from pulsectl._atomic import (
     remove,
     same_file,
     temp_path,
+    temp_prefix,
 )
 from pulsectl._dtypes import DTYPES
 from pulsectl._io import pread_array
@@ -64,7 +65,7 @@ from pulsectl.checkpoint import (
     FileEntry,
     SafetensorsHeader,
 )
-from pulsectl.errors import InputError, OutputError, UsageError
+from pulsectl.errors import InputError, OutputError, UsageError, open_files_hint
 from pulsectl.floats import f32_to_bf16
 
 TARGETS: dict[str, str] = {
@@ -353,7 +354,9 @@ def _cast_file(
     try:
         fd = os.open(entry.path, os.O_RDONLY)
     except OSError as exc:
-        raise InputError(f"{entry.path}: cannot open: {exc.strerror}", path=entry.path) from exc
+        raise InputError(
+            f"{entry.path}: cannot open: {exc.strerror}{open_files_hint(exc)}", path=entry.path
+        ) from exc
     try:
         for p in planned:
             converted = p.src_dtype != p.out_dtype
@@ -458,7 +461,9 @@ def cast_temporaries(
     parent = Path(near).parent if near is not None else None
     # Beside the output it is named as its temps are (docs/GUARANTEES.md: what a kill -9
     # leaves, and how to remove it).
-    prefix = f".{Path(near).name}{TEMP_MARK}cast-" if near is not None else "pulsectl-cast-"
+    prefix = (
+        temp_prefix(Path(near).name, f"{TEMP_MARK}cast-") if near is not None else "pulsectl-cast-"
+    )
     try:
         folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     except OSError as exc:

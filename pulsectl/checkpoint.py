@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from pulsectl._atomic import TEMP_MARK, discard, file_path, interrupts_deferred, os_error
+from pulsectl._atomic import discard, file_path, interrupts_deferred, os_error, temp_prefix
 from pulsectl._dtypes import DTYPES
 from pulsectl.errors import FormatError, InputError
 from pulsectl.format import MAGIC as PATCH_MAGIC
@@ -315,6 +316,13 @@ def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
 def read_header(path: str | Path) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at ``path`` (no tensor data)."""
     path = Path(path)
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except OSError:
+        mode = None  # missing, say: open() below says what is wrong
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        # A named pipe would wait in open() for a writer that a checkpoint never has.
+        raise InputError(f"{path}: not a regular file or directory", path=path)
     try:
         with open(path, "rb") as f:
             file_size = os.fstat(f.fileno()).st_size
@@ -630,7 +638,7 @@ def save_safetensors(
     # os.urandom, which secrets.token_hex reads too: importing secrets (and with it hmac and
     # OpenSSL's hashlib) would load them into every command for this one name.
     # Named as every temp of pulsectl (what a kill -9 leaves: docs/GUARANTEES.md).
-    tmp_name = str(path.parent / f".{path.name}{TEMP_MARK}{os.urandom(8).hex()}")
+    tmp_name = str(path.parent / f"{temp_prefix(path.name)}{os.urandom(8).hex()}")
     created = False
     out: BinaryIO | None = None
     try:

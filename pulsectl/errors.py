@@ -122,3 +122,13 @@ class IntegrityError(PulseError):
 
 class CorruptPatchError(IntegrityError):
     """A .pulse file fails a checksum or ends early."""
+
+
+def open_files_hint(exc: OSError) -> str:
+    """For a file that could not be opened because too many are open (a folder checkpoint of
+    many shards under a low `ulimit -n`): what to do, else nothing."""
+    import errno
+
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return "; too many files open at once: raise the limit (ulimit -n)"
+    return ""

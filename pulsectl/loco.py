@@ -59,6 +59,7 @@ from pulsectl.errors import (
     InputError,
     IntegrityError,
     UsageError,
+    open_files_hint,
 )
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
@@ -596,7 +597,9 @@ class _F32Source:
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise InputError(f"{path}: cannot open: {exc.strerror}", path=path) from exc
+            raise InputError(
+                f"{path}: cannot open: {exc.strerror}{open_files_hint(exc)}", path=path
+            ) from exc
 
     def numel(self, name: str) -> int:
         return self._by_name[name].nbytes // 4

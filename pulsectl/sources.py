@@ -19,7 +19,7 @@ import numpy as np
 from pulsectl import _prehash
 from pulsectl._io import map_range, pread_array, pread_into
 from pulsectl.checkpoint import Checkpoint, FileEntry, TensorInfo
-from pulsectl.errors import InputError
+from pulsectl.errors import InputError, open_files_hint
 from pulsectl.hashing import fingerprint_file, new_hasher, update_both
 from pulsectl.patch import FileRef
 
@@ -78,7 +78,8 @@ class FileSource:
             except OSError as exc:
                 self.close()
                 raise InputError(
-                    f"{entry.path}: cannot open: {exc.strerror}", path=entry.path
+                    f"{entry.path}: cannot open: {exc.strerror}{open_files_hint(exc)}",
+                    path=entry.path,
                 ) from exc
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from pulsectl._atomic import (
     refuse_inside_folder_input,
     remove,
     same_file,
+    temp_prefix,
 )
 from pulsectl.codecs import (
     CODEC_CONTEXT,
@@ -401,7 +402,11 @@ def _squash_with_base(
     # Beside the output it is named as its temps are (docs/GUARANTEES.md: what a kill -9
     # leaves, and how to remove it).
     near = out.parent if isinstance(out, Path) else None
-    prefix = f".{out.name}{TEMP_MARK}squash-" if isinstance(out, Path) else "pulsectl-squash-"
+    prefix = (
+        temp_prefix(out.name, f"{TEMP_MARK}squash-")
+        if isinstance(out, Path)
+        else "pulsectl-squash-"
+    )
     try:
         work = tempfile.TemporaryDirectory(prefix=prefix, dir=near)
     except OSError as exc:  # a read-only or full folder

@@ -549,3 +549,133 @@ def test_an_output_another_run_wrote_meanwhile_is_not_replaced_without_f(
     out.unlink()
     assert main(["-q", *argv, "-o", str(out), "-f"]) == 0
     assert out.read_bytes() != b"the other run's output"
+
+
+def test_output_names_up_to_name_max_are_written(
+    chain: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A temp beside an output is `.NAME.pulsectl-tmp-XXXXXXXX`: for a legal NAME of 233-255
+    bytes that was longer than the system takes, and the command said NAME could not be
+    written. The temp's NAME is cut short instead. A name the system refuses (256 bytes) is
+    one line, not a traceback from pathlib."""
+
+    def name(n: int, ending: str) -> str:
+        return "\u00e9" * ((n - len(ending)) // 2) + "y" * ((n - len(ending)) % 2) + ending
+
+    old, new = chain[0], chain[1]
+    monkeypatch.chdir(tmp_path)
+    patch = name(255, ".pulse")
+    assert len(os.fsencode(patch)) == 255
+    assert main(["-q", "diff", str(old), str(new), "-o", patch]) == 0
+    out = name(255, ".safetensors")
+    assert main(["-q", "apply", str(old), patch, "-o", out]) == 0
+    assert Path(out).read_bytes() == new.read_bytes()
+    shutil.copy(old, out)
+    assert main(["-q", "apply", out, patch, "--in-place"]) == 0
+    assert Path(out).read_bytes() == new.read_bytes()
+    squashed = name(255, ".s.pulse")
+    assert main(["-q", "squash", patch, "--base", str(old), "-o", squashed]) == 0
+    cast = name(255, ".f16")
+    assert main(["-q", "cast", str(old), "--to", "f16", "-o", cast]) == 0
+    assert not [p for p in tmp_path.iterdir() if ".pulsectl-" in p.name]
+    capsys.readouterr()
+    too_long = "y" * 256
+    for argv in (["hash", too_long], ["diff", str(old), str(new), "-o", too_long]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err == f"pulsectl: error: {too_long}: File name too long; give a shorter path\n"
+
+
+def test_a_named_pipe_for_a_checkpoint_is_refused_at_once(
+    chain: list[Path], tmp_path: Path
+) -> None:
+    """A FIFO given as apply's BASE (or loco's -g/-l) waited for ever in open() for a writer:
+    apply opened it to see whether it was a patch. A checkpoint is a file or a folder."""
+    fifo = tmp_path / "base.fifo"
+    os.mkfifo(fifo)
+    patch = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch)]) == 0
+    f32 = tmp_path / "g.safetensors"
+    save_safetensors(f32, {"w": ("F32", (4,), np.zeros(4, dtype=np.float32))})
+    for args in (
+        ["apply", str(fifo), str(patch), "-o", str(tmp_path / "o")],
+        ["apply", str(fifo), str(patch), "--in-place"],
+        [
+            "loco",
+            "encode",
+            "-g",
+            str(f32),
+            "-l",
+            str(fifo),
+            "-r",
+            str(tmp_path / "r"),
+            "-o",
+            str(tmp_path / "pg"),
+        ],  # fmt: skip
+    ):
+        r = _cli(*args)
+        assert r.returncode == 1, (args, r.stderr)
+        assert _error(r.stderr.decode()).endswith("base.fifo: not a regular file or directory")
+
+
+def test_a_thread_that_cannot_start_is_one_line(
+    chain: list[Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under `ulimit -v`, starting a worker thread fails with RuntimeError: it was reported
+    as an internal error with a traceback."""
+    import pulsectl.inventory
+
+    def no_thread(*a: object, **kw: object) -> str:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(pulsectl.inventory, "fingerprint_of", no_thread)
+    assert main(["hash", str(chain[0])]) == 1
+    assert capsys.readouterr().err == (
+        "pulsectl: error: out of memory: cannot start a worker thread (a memory limit such as "
+        "ulimit -v?); give fewer workers (-j) or more memory\n"
+    )
+
+
+def test_a_folder_of_more_shards_than_the_soft_open_files_limit(tmp_path: Path) -> None:
+    """Every shard is held open while a command runs: 80 shards failed under a soft limit of
+    40 ("Too many open files") though the hard limit was far higher. The soft limit is raised
+    to the hard one; under a hard limit too low the line says what to do."""
+    rng = np.random.default_rng(3)
+    for side in ("old", "new"):
+        (tmp_path / side).mkdir()
+    for i in range(80):
+        w = rng.integers(0, 2**16, 64, dtype=np.uint16)
+        name = f"model-{i:05d}-of-00080.safetensors"
+        save_safetensors(tmp_path / "old" / name, {f"t{i}": ("BF16", (64,), w)})
+        save_safetensors(tmp_path / "new" / name, {f"t{i}": ("BF16", (64,), w ^ (w < 300))})
+    script = f"ulimit -S -n 40; {sys.executable} -m pulsectl -q diff old new -o p.pulse"
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    script = f"ulimit -n 40; {sys.executable} -m pulsectl -q diff old new -o q.pulse"
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, timeout=120)
+    assert r.returncode == 1
+    assert _error(r.stderr.decode()).endswith(
+        "cannot open: Too many open files; too many files open at once: raise the limit (ulimit -n)"
+    )
+
+
+def test_a_write_that_fails_midway_names_the_output(chain: list[Path], tmp_path: Path) -> None:
+    """A write that fails midway (here a file size limit, as a disk that fills after the check
+    of free space) named apply's temp file, removed by then; the line names OUT."""
+    patch = tmp_path / "p.pulse"
+    assert main(["-q", "diff", str(chain[0]), str(chain[1]), "-o", str(patch)]) == 0
+    size_kb = chain[1].stat().st_size // 1024 // 2
+    for where in ("-o o.safetensors", "--in-place"):
+        base = tmp_path / "base.safetensors"
+        shutil.copy(chain[0], base)
+        apply = f"{sys.executable} -m pulsectl apply base.safetensors p.pulse {where}"
+        script = f"ulimit -f {size_kb}; {apply}"
+        r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, timeout=120)
+        assert r.returncode == 1, r.stderr
+        out = "o.safetensors" if where.startswith("-o") else "base.safetensors"
+        assert _error(r.stderr.decode()) == f"pulsectl: error: {out}: cannot write: File too large"
+        assert base.read_bytes() == chain[0].read_bytes()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "p.pulse"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -189,7 +190,19 @@ def _main(args: list[str], written: list[Path]) -> int:
         sys.stderr.write("pulsectl: error: out of memory\n")
         code = EXIT_ERROR
     except Exception as exc:
-        if _interrupted(exc):
+        if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+            # A path the system refuses to look up (pathlib's is_dir() or exists() raise it).
+            name = escape_controls(os.fsdecode(exc.filename or "a path"))
+            sys.stderr.write(f"pulsectl: error: {name}: {exc.strerror}; give a shorter path\n")
+            code = EXIT_ERROR
+        elif _no_thread(exc):
+            # A worker thread that cannot start: its stack did not fit (a `ulimit -v`).
+            sys.stderr.write(
+                "pulsectl: error: out of memory: cannot start a worker thread (a memory limit "
+                "such as ulimit -v?); give fewer workers (-j) or more memory\n"
+            )
+            code = EXIT_ERROR
+        elif _interrupted(exc):
             # Ctrl-C inside an import: numpy, say, turns it into an ImportError of its own.
             sys.stderr.write(f"pulsectl: error: {_interrupted_line(written)}\n")
             code = EXIT_INTERRUPTED
@@ -266,6 +279,17 @@ def _parser_error(exc: typer.TyperException) -> str:
 def _with_hint(message: str, command: str | None) -> str:
     """A usage error's line, ending in the hint to run ``command`` (where there is one)."""
     return message if command is None else f"{message}; try '{command}' for help"
+
+
+def _no_thread(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is CPython's "can't start new thread"."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def _interrupted(exc: BaseException) -> bool:

@@ -31,6 +31,7 @@ from pulsectl._atomic import (
     missing_folder,
     os_error,
     remove,
+    temp_prefix,
 )
 from pulsectl.apply import apply_patches
 from pulsectl.checkpoint import Checkpoint, folder_files
@@ -175,7 +176,8 @@ def pull(
         # Made and known to the clean-up below before an interrupt can stop this function.
         with interrupts_deferred():
             try:
-                work = Path(tempfile.mkdtemp(prefix=f".{out.name}{TEMP_MARK}pull-", dir=out.parent))
+                prefix = temp_prefix(out.name, f"{TEMP_MARK}pull-")
+                work = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
             except OSError as exc:
                 raise os_error(exc, out) from exc
         while True:
