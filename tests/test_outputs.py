@@ -679,3 +679,41 @@ def test_a_write_that_fails_midway_names_the_output(chain: list[Path], tmp_path:
         assert _error(r.stderr.decode()) == f"pulsectl: error: {out}: cannot write: File too large"
         assert base.read_bytes() == chain[0].read_bytes()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["base.safetensors", "p.pulse"]
+
+
+def test_squash_and_publish_under_a_file_size_limit_name_what_failed(
+    chain: list[Path], tmp_path: Path
+) -> None:
+    """squash --base named a temp of its work folder when its write failed midway; a first
+    publish whose cache copy hit a file size limit blamed reading CKPT ("cannot read: File too
+    large") and left an empty store folder behind."""
+    for i in (0, 1, 2):
+        shutil.copy(chain[i], tmp_path / f"s{i}.safetensors")
+    for i in (1, 2):
+        old, new = tmp_path / f"s{i - 1}.safetensors", tmp_path / f"s{i}.safetensors"
+        assert main(["-q", "diff", str(old), str(new), "-o", str(tmp_path / f"p{i}.pulse")]) == 0
+    limit = chain[0].stat().st_size // 1024 // 2
+    squash = (
+        f"{sys.executable} -m pulsectl squash p1.pulse p2.pulse --base s0.safetensors -o s.pulse"
+    )
+    r = subprocess.run(
+        ["bash", "-c", f"ulimit -f {limit}; {squash}"],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stderr
+    assert _error(r.stderr.decode()).startswith("pulsectl: error: s.pulse: "), r.stderr
+    publish = f"{sys.executable} -m pulsectl publish store s0.safetensors --cache cache"
+    r = subprocess.run(
+        ["bash", "-c", f"ulimit -f {limit}; {publish}"],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stderr
+    line = _error(r.stderr.decode())
+    assert "cannot write a copy of s0.safetensors there: File too large" in line, line
+    assert line.endswith("nothing was published")
+    assert not (tmp_path / "store").exists()
+    assert not [p for p in tmp_path.iterdir() if ".pulsectl-" in p.name]

@@ -8,6 +8,7 @@ lists manifests never sees a half-published step. Nothing is ever rewritten.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -125,8 +126,24 @@ def publish(
         # One spelling in the manifests: `--as BF16` and `--as bf16` are the same cast.
         options = dataclasses.replace(options, cast=options.cast.lower())
     source = Checkpoint.open(checkpoint)  # before the store folder is made: a bad input
-    if isinstance(store, _folder_type()):
-        _make_store_folder(Path(store.url))
+    made = isinstance(store, _folder_type()) and _make_store_folder(Path(store.url))
+    try:
+        return _publish(store, checkpoint, step, options, say, source)
+    except BaseException:
+        if made:  # a first publish that failed before the store's marker: no empty folder left
+            with contextlib.suppress(OSError):
+                Path(store.url).rmdir()
+        raise
+
+
+def _publish(
+    store: Store,
+    checkpoint: str | Path,
+    step: int | None,
+    options: PublishOptions,
+    say: Log,
+    source: Checkpoint,
+) -> PublishSummary:
     catalog = Catalog(store)
     last = catalog.latest()
     latest = catalog.latest_step
@@ -252,6 +269,12 @@ def _snapshot(checkpoint: Path, source: Checkpoint, work: Path, cast: str | None
                         f"{cache}: no space left for a copy of {checkpoint} (the publish cache "
                         "keeps one, the base of the next patch); nothing was published: free "
                         "some space, or give --cache a folder on another disk",
+                        path=cache,
+                    ) from exc
+                if exc.errno == errno.EFBIG:  # the copy's write, whichever file it names
+                    raise OutputError(
+                        f"{cache}: cannot write a copy of {checkpoint} there: {exc.strerror} (a "
+                        "file size limit?); nothing was published",
                         path=cache,
                     ) from exc
                 if exc.errno != errno.EROFS and exc.filename == str(entry.path):
@@ -467,7 +490,7 @@ def _publish_step(
     return manifest, anchor_reason or "patch", uploaded + len(data)
 
 
-def _make_store_folder(root: Path) -> None:
+def _make_store_folder(root: Path) -> bool:
     """The store folder, made by the first publish as ``mkdir`` would (its parent must exist:
     a mistyped path is not made). An existing folder must be a store already, or empty: a
     folder of other files (the checkpoints' own folder, say) is most likely a mistyped STORE."""
@@ -477,7 +500,7 @@ def _make_store_folder(root: Path) -> None:
                 f"{root}: is a file, not a store folder; give a folder path", path=root
             )
         if (root / MARKER_KEY).exists() or (root / STEPS_PREFIX).is_dir():
-            return
+            return False
         try:
             names = sorted(n for n in os.listdir(root) if not n.startswith("."))
         except OSError as exc:
@@ -488,13 +511,14 @@ def _make_store_folder(root: Path) -> None:
                 f"({names[0]!r}...); publish to a new or empty folder",
                 path=root,
             )
-        return
+        return False
     if not root.parent.is_dir():
         raise missing_folder(root)
     try:
         root.mkdir()
     except OSError as exc:
         raise os_error(exc, root) from exc
+    return True
 
 
 def _load_head(cache: Path, store: Store) -> tuple[int, str, Path] | None:
