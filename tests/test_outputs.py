@@ -717,3 +717,14 @@ def test_squash_and_publish_under_a_file_size_limit_name_what_failed(
     assert line.endswith("nothing was published")
     assert not (tmp_path / "store").exists()
     assert not [p for p in tmp_path.iterdir() if ".pulsectl-" in p.name]
+    # pull named the temp inside its work folder.
+    for i in (0, 1):
+        argv = ["-q", "publish", str(tmp_path / "store"), str(tmp_path / f"s{i}.safetensors")]
+        assert main([*argv, "--cache", str(tmp_path / "cache")]) == 0
+    pull = f"{sys.executable} -m pulsectl pull store -o pulled.safetensors"
+    r = subprocess.run(
+        ["bash", "-c", f"ulimit -f {limit}; {pull}"], cwd=tmp_path, capture_output=True, timeout=120
+    )
+    assert r.returncode == 1, r.stderr
+    assert _error(r.stderr.decode()).startswith("pulsectl: error: pulled.safetensors: "), r.stderr
+    assert not [p for p in tmp_path.iterdir() if ".pulsectl-" in p.name]

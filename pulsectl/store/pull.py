@@ -28,6 +28,7 @@ from pulsectl._atomic import (
     install,
     interrupts_deferred,
     is_empty_folder,
+    is_temp_of,
     missing_folder,
     os_error,
     remove,
@@ -218,7 +219,12 @@ def pull(
     except OutputError as exc:
         # A full disk while fetching or rebuilding: the file named is a temp of the work
         # folder, which is removed below; OUT is what the user knows.
-        if work is None or exc.path is None or not Path(exc.path).is_relative_to(work):
+        named = Path(exc.path) if exc.path is not None else None
+        if (
+            work is None
+            or named is None
+            or not (named.is_relative_to(work) or is_temp_of(named, out))
+        ):
             raise
         raise error_of_output(exc, out) from None
     finally:
