@@ -48,6 +48,12 @@ def _cli(*args: str, cwd: Path | None = None, **kw: object) -> subprocess.Comple
     )
 
 
+def _bash(script: str, cwd: Path) -> subprocess.CompletedProcess[bytes]:
+    """``script`` in bash in ``cwd`` (for its `ulimit`s), `pulsectl` as ``python -m``."""
+    script = script.replace("pulsectl ", f"{sys.executable} -m pulsectl ")
+    return subprocess.run(["bash", "-c", script], cwd=cwd, capture_output=True, timeout=120)
+
+
 def _error(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("pulsectl: error:")]
     assert len(lines) == 1, err
@@ -651,11 +657,9 @@ def test_a_folder_of_more_shards_than_the_soft_open_files_limit(tmp_path: Path) 
         name = f"model-{i:05d}-of-00080.safetensors"
         save_safetensors(tmp_path / "old" / name, {f"t{i}": ("BF16", (64,), w)})
         save_safetensors(tmp_path / "new" / name, {f"t{i}": ("BF16", (64,), w ^ (w < 300))})
-    script = f"ulimit -S -n 40; {sys.executable} -m pulsectl -q diff old new -o p.pulse"
-    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, timeout=120)
+    r = _bash("ulimit -S -n 40; pulsectl -q diff old new -o p.pulse", tmp_path)
     assert r.returncode == 0, r.stderr
-    script = f"ulimit -n 40; {sys.executable} -m pulsectl -q diff old new -o q.pulse"
-    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, timeout=120)
+    r = _bash("ulimit -n 40; pulsectl -q diff old new -o q.pulse", tmp_path)
     assert r.returncode == 1
     assert _error(r.stderr.decode()).endswith(
         "cannot open: Too many open files; too many files open at once: raise the limit (ulimit -n)"
@@ -671,9 +675,7 @@ def test_a_write_that_fails_midway_names_the_output(chain: list[Path], tmp_path:
     for where in ("-o o.safetensors", "--in-place"):
         base = tmp_path / "base.safetensors"
         shutil.copy(chain[0], base)
-        apply = f"{sys.executable} -m pulsectl apply base.safetensors p.pulse {where}"
-        script = f"ulimit -f {size_kb}; {apply}"
-        r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, timeout=120)
+        r = _bash(f"ulimit -f {size_kb}; pulsectl apply base.safetensors p.pulse {where}", tmp_path)
         assert r.returncode == 1, r.stderr
         out = "o.safetensors" if where.startswith("-o") else "base.safetensors"
         assert _error(r.stderr.decode()) == f"pulsectl: error: {out}: cannot write: File too large"
@@ -693,24 +695,11 @@ def test_squash_and_publish_under_a_file_size_limit_name_what_failed(
         old, new = tmp_path / f"s{i - 1}.safetensors", tmp_path / f"s{i}.safetensors"
         assert main(["-q", "diff", str(old), str(new), "-o", str(tmp_path / f"p{i}.pulse")]) == 0
     limit = chain[0].stat().st_size // 1024 // 2
-    squash = (
-        f"{sys.executable} -m pulsectl squash p1.pulse p2.pulse --base s0.safetensors -o s.pulse"
-    )
-    r = subprocess.run(
-        ["bash", "-c", f"ulimit -f {limit}; {squash}"],
-        cwd=tmp_path,
-        capture_output=True,
-        timeout=120,
-    )
+    squash = "pulsectl squash p1.pulse p2.pulse --base s0.safetensors -o s.pulse"
+    r = _bash(f"ulimit -f {limit}; {squash}", tmp_path)
     assert r.returncode == 1, r.stderr
     assert _error(r.stderr.decode()).startswith("pulsectl: error: s.pulse: "), r.stderr
-    publish = f"{sys.executable} -m pulsectl publish store s0.safetensors --cache cache"
-    r = subprocess.run(
-        ["bash", "-c", f"ulimit -f {limit}; {publish}"],
-        cwd=tmp_path,
-        capture_output=True,
-        timeout=120,
-    )
+    r = _bash(f"ulimit -f {limit}; pulsectl publish store s0.safetensors --cache cache", tmp_path)
     assert r.returncode == 1, r.stderr
     line = _error(r.stderr.decode())
     assert "cannot write a copy of s0.safetensors there: File too large" in line, line
