@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any, BinaryIO, TypeVar
 
 from pulsectl import _placed
-from pulsectl.errors import InputError, OutputError, PulseError, UsageError
+from pulsectl.errors import InputError, OutputError, PulseError, UsageError, escape_controls
 
 TEMP_MARK = ".pulsectl-tmp-"
 
@@ -697,18 +697,24 @@ def _umask() -> int:
 def is_temp_of(path: Path, out: Path) -> bool:
     """Whether ``path`` is a temp written for ``out`` (beside it, named as pulsectl names its
     temps), or lies inside one (a temp folder's files)."""
-    prefix = temp_prefix(out.name)
+    # The work folders' marks cut a long NAME shorter than the plain temp's does.
+    prefixes = tuple(temp_prefix(out.name, TEMP_MARK + tag) for tag in _WORK_TAGS)
     folder = os.path.abspath(out.parent)
     for where in (path, *path.parents):
-        if where.name.startswith(prefix) and os.path.abspath(where.parent) == folder:
+        if where.name.startswith(prefixes) and os.path.abspath(where.parent) == folder:
             return True
     return False
+
+
+_WORK_TAGS = ("", "pull-", "cast-", "squash-")  # temps beside an output, and work folders
 
 
 def error_of_output(exc: PulseError, out: Path) -> OutputError:
     """``exc``, which names a temp written for ``out`` (removed by now), as ``out``'s error:
     OUT is the name the user knows."""
-    reason = exc.message.removeprefix(f"{exc.path}: ")
+    reason = exc.message
+    for shown in (f"{exc.path}: ", f"{escape_controls(str(exc.path))}: "):
+        reason = reason.removeprefix(shown)  # the message holds the path escaped
     return OutputError(f"{out}: {reason}", path=out)
 
 

@@ -717,3 +717,22 @@ def test_squash_and_publish_under_a_file_size_limit_name_what_failed(
     assert r.returncode == 1, r.stderr
     assert _error(r.stderr.decode()).startswith("pulsectl: error: pulled.safetensors: "), r.stderr
     assert not [p for p in tmp_path.iterdir() if ".pulsectl-" in p.name]
+
+
+def test_an_error_about_a_temp_names_its_output(tmp_path: Path) -> None:
+    """The work folders' marks cut a long NAME shorter than the plain temp's: a 230-byte
+    output's squash folder was not known as its temp. And a name with a control character or a
+    byte that is not UTF-8 is held escaped in the message: the temp's path was not taken off,
+    and the line showed both paths."""
+    out = tmp_path / ("y" * 230)
+    for tag in ("", "pull-", "cast-", "squash-"):
+        work = tmp_path / (_atomic.temp_prefix(out.name, _atomic.TEMP_MARK + tag) + "x1y2z3")
+        assert _atomic.is_temp_of(work / "target", out)
+        assert _atomic.is_temp_of(work, out)
+    assert not _atomic.is_temp_of(tmp_path / "y" / "target", out)
+    for name in ("tab\there.safetensors", os.fsdecode(b"caf\xe9.safetensors")):
+        out = tmp_path / name
+        tmp = tmp_path / (_atomic.temp_prefix(name) + "abcdefgh")
+        exc = _atomic.OutputError(f"{tmp}: cannot write: File too large", path=tmp)
+        mapped = _atomic.error_of_output(exc, out)
+        assert mapped.message == _atomic.escape_controls(f"{out}: cannot write: File too large")
