@@ -709,6 +709,18 @@ def is_temp_of(path: Path, out: Path) -> bool:
 _WORK_TAGS = ("", "pull-", "cast-", "squash-")  # temps beside an output, and work folders
 
 
+@contextlib.contextmanager
+def naming_output(out: Path | None) -> Iterator[None]:
+    """While inside, an OutputError that names a temp of ``out`` (a write that failed midway,
+    its temp removed by now) is raised as ``out``'s: OUT is the name the user knows."""
+    try:
+        yield
+    except OutputError as exc:
+        if out is not None and exc.path is not None and is_temp_of(Path(exc.path), out):
+            raise error_of_output(exc, out) from None
+        raise
+
+
 def error_of_output(exc: PulseError, out: Path) -> OutputError:
     """``exc``, which names a temp written for ``out`` (removed by now), as ``out``'s error:
     OUT is the name the user knows."""

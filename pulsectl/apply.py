@@ -27,10 +27,9 @@ import numpy as np
 from pulsectl._atomic import (
     check_folder_target,
     check_target,
-    error_of_output,
     file_path,
     install,
-    is_temp_of,
+    naming_output,
     os_error,
     refuse_inside_folder_input,
     remove,
@@ -38,14 +37,13 @@ from pulsectl._atomic import (
     temp_path,
 )
 from pulsectl._io import BufferPool, default_workers, overlapped_map, pwrite_all, window_for
-from pulsectl.checkpoint import Checkpoint, SafetensorsHeader, TensorInfo
+from pulsectl.checkpoint import Checkpoint, SafetensorsHeader, TensorInfo, refuse_special_file
 from pulsectl.codecs import decode_block, decode_moves, patch_in_place
 from pulsectl.codecs._bits import add_moves
 from pulsectl.device import check_name
 from pulsectl.errors import (
     CorruptPatchError,
     FormatError,
-    InputError,
     IntegrityError,
     OutputError,
     PulseError,
@@ -142,8 +140,7 @@ def apply_patches(
     into the base blocks there; None does it with numpy. With ``in_place``, runs that update
     the same BASE take turns (``on_wait`` is told when this one has to wait).
     """
-    target = Path(base) if in_place else Path(out) if out is not None else None
-    try:
+    with naming_output(Path(base) if in_place else Path(out) if out is not None else None):
         return _apply_patches(
             base,
             patches,
@@ -157,12 +154,6 @@ def apply_patches(
             device=device,
             on_wait=on_wait,
         )
-    except OutputError as exc:
-        # A write that failed midway names the temp it was writing, removed by now: OUT is
-        # the name the user knows.
-        if target is not None and exc.path is not None and is_temp_of(Path(exc.path), target):
-            raise error_of_output(exc, target) from None
-        raise
 
 
 def _apply_patches(
@@ -188,13 +179,7 @@ def _apply_patches(
         raise UsageError("standard input ('-') can be given as a patch only once")
     if dashes and stdin is None:
         refuse_terminal_input()  # before any work on the patches ahead of it
-    try:
-        mode: int | None = os.stat(base_path).st_mode
-    except OSError:
-        mode = None  # missing: the checkpoint reader says so
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        # A named pipe would wait in open() (the patch test, the --in-place lock) for ever.
-        raise InputError(f"{base}: not a regular file or directory", path=str(base))
+    refuse_special_file(base_path)  # a named pipe would wait in the --in-place lock's open()
     if _is_patch(base_path):
         raise UsageError(
             f"{base}: BASE is a .pulse patch; give the checkpoint first, then the patches "

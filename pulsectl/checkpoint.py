@@ -313,16 +313,22 @@ def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
     return data
 
 
+def refuse_special_file(path: Path) -> None:
+    """InputError for a checkpoint path that is neither a file nor a folder (a named pipe, a
+    device): a pipe would wait in open() for a writer that a checkpoint never has. A missing
+    path passes: whoever opens it says so."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise InputError(f"{path}: not a regular file or directory", path=path)
+
+
 def read_header(path: str | Path) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at ``path`` (no tensor data)."""
     path = Path(path)
-    try:
-        mode: int | None = os.stat(path).st_mode
-    except OSError:
-        mode = None  # missing, say: open() below says what is wrong
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        # A named pipe would wait in open() for a writer that a checkpoint never has.
-        raise InputError(f"{path}: not a regular file or directory", path=path)
+    refuse_special_file(path)
     try:
         with open(path, "rb") as f:
             file_size = os.fstat(f.fileno()).st_size

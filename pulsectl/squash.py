@@ -28,9 +28,8 @@ from pulsectl._atomic import (
     TEMP_MARK,
     atomic_file,
     check_file_target,
-    error_of_output,
     file_path,
-    is_temp_of,
+    naming_output,
     os_error,
     refuse_inside_folder_input,
     remove,
@@ -54,7 +53,7 @@ from pulsectl.codecs import (
 from pulsectl.codecs._bits import moves_planes
 from pulsectl.codecs.delta import decode_moves, encode_moves
 from pulsectl.diff import DiffOptions
-from pulsectl.errors import CorruptPatchError, FormatError, IntegrityError, OutputError, UsageError
+from pulsectl.errors import CorruptPatchError, FormatError, IntegrityError, UsageError
 from pulsectl.format import (
     BLOCK_PAYLOAD_SLACK,
     Block,
@@ -88,14 +87,8 @@ def squash_patches(
     """Write one patch equivalent to applying ``patches`` in order; ``base`` is optional.
 
     ``out`` is a path (written atomically) or a binary stream (e.g. stdout)."""
-    try:
+    with naming_output(Path(out) if isinstance(out, (str, Path)) else None):
         return _squash_patches(patches, out, base=base, force=force, options=options)
-    except OutputError as exc:
-        # A write that failed midway names a temp (of the work folder), removed by now.
-        target = Path(out) if isinstance(out, (str, Path)) else None
-        if target is not None and exc.path is not None and is_temp_of(Path(exc.path), target):
-            raise error_of_output(exc, target) from None
-        raise
 
 
 def _squash_patches(

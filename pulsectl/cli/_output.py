@@ -237,8 +237,9 @@ class GuardedStdout:
 
     def _write_unencodable(self, text: str) -> int:
         """``text`` where stdout's encoding lacks some of its characters (a stdout forced to
-        ASCII, a legacy locale): a file name's bytes that are not UTF-8 go out as they are, as
-        sha256sum writes them, and any other such character as a backslash escape."""
+        ASCII, a legacy locale): those go out as the bytes they stand for (``_UNENCODABLE``),
+        as sha256sum writes a file name; backslash escapes only for an encoding that takes no
+        bytes from an error handler (UTF-16)."""
         raw = getattr(self.stream, "buffer", None)
         if raw is None:
             return int(self.stream.write(text.encode("ascii", "backslashreplace").decode()))

@@ -9,6 +9,7 @@ import signal
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -283,21 +284,22 @@ def _with_hint(message: str, command: str | None) -> str:
 
 def _no_thread(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is CPython's "can't start new thread"."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, RuntimeError) and "can't start new thread" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
+    return _in_chain(
+        exc, lambda e: isinstance(e, RuntimeError) and "can't start new thread" in str(e)
+    )
 
 
 def _interrupted(exc: BaseException) -> bool:
     """Whether ``exc`` was raised while a KeyboardInterrupt was being handled (or from one)."""
+    return _in_chain(exc, lambda e: isinstance(e, KeyboardInterrupt))
+
+
+def _in_chain(exc: BaseException, match: Callable[[BaseException], bool]) -> bool:
+    """Whether ``exc``, or an exception it was raised from or while handling, matches."""
     seen: set[int] = set()
     at: BaseException | None = exc
     while at is not None and id(at) not in seen:
-        if isinstance(at, KeyboardInterrupt):
+        if match(at):
             return True
         seen.add(id(at))
         at = at.__cause__ or at.__context__

@@ -23,13 +23,12 @@ from pulsectl._atomic import (
     TEMP_MARK,
     check_folder_target,
     check_target,
-    error_of_output,
     file_path,
     install,
     interrupts_deferred,
     is_empty_folder,
-    is_temp_of,
     missing_folder,
+    naming_output,
     os_error,
     remove,
     temp_prefix,
@@ -173,63 +172,55 @@ def pull(
 
     work: Path | None = None
     fetched = [0]
-    try:
-        # Made and known to the clean-up below before an interrupt can stop this function.
-        with interrupts_deferred():
+    # A full disk while fetching or rebuilding names a temp of the work folder, removed by
+    # then: OUT is what the user knows.
+    with naming_output(out):
+        try:
+            # Made and known to the clean-up below before an interrupt can stop this function.
+            with interrupts_deferred():
+                try:
+                    prefix = temp_prefix(out.name, f"{TEMP_MARK}pull-")
+                    work = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+                except OSError as exc:
+                    raise os_error(exc, out) from exc
+            while True:
+                if plan is None:
+                    raise _unreachable(store, target, broken, why)
+                say(_describe(plan, out))
+                try:
+                    with _placed.unrecorded():  # steps in the work folder: not the output
+                        result, applied = _execute(
+                            store, plan, target, work, workers, prefetch, fetched
+                        )
+                    break
+                except _Broken as exc:
+                    broken[exc.key] = exc.reason
+                    say(f"{exc.reason}; looking for another way to step {target.step}")
+                    if exc.reached is not None:
+                        locals_[exc.reached[0]] = exc.reached[1]
+                    locals_ = {fp: p for fp, p in locals_.items() if p.exists()}
+                    plan, why = _plan(catalog, target, locals_, broken)
+            if not result.is_relative_to(work):  # an anchor used in place (folder store)
+                copy = work / ("result" + ("" if result.is_dir() else ".safetensors"))
+                _copy(result, copy)
+                result = copy
+            actual = fingerprint_of(Checkpoint.open(result))
+            if actual != target.target_fingerprint:
+                raise IntegrityError(
+                    f"{store.where(manifest_key(target.step))}: rebuilt step {target.step} has "
+                    f"fingerprint {actual}, not {target.target_fingerprint}; nothing was written",
+                    expected=target.target_fingerprint,
+                    actual=actual,
+                )
             try:
-                prefix = temp_prefix(out.name, f"{TEMP_MARK}pull-")
-                work = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+                if durable:  # --fsync: on disk before the rename, as apply --fsync does
+                    _fsync_tree(result)
+                install(result, out)
             except OSError as exc:
                 raise os_error(exc, out) from exc
-        while True:
-            if plan is None:
-                raise _unreachable(store, target, broken, why)
-            say(_describe(plan, out))
-            try:
-                with _placed.unrecorded():  # steps in the work folder: not the output
-                    result, applied = _execute(
-                        store, plan, target, work, workers, prefetch, fetched
-                    )
-                break
-            except _Broken as exc:
-                broken[exc.key] = exc.reason
-                say(f"{exc.reason}; looking for another way to step {target.step}")
-                if exc.reached is not None:
-                    locals_[exc.reached[0]] = exc.reached[1]
-                locals_ = {fp: p for fp, p in locals_.items() if p.exists()}
-                plan, why = _plan(catalog, target, locals_, broken)
-        if not result.is_relative_to(work):  # an anchor used in place (folder store)
-            copy = work / ("result" + ("" if result.is_dir() else ".safetensors"))
-            _copy(result, copy)
-            result = copy
-        actual = fingerprint_of(Checkpoint.open(result))
-        if actual != target.target_fingerprint:
-            raise IntegrityError(
-                f"{store.where(manifest_key(target.step))}: rebuilt step {target.step} has "
-                f"fingerprint {actual}, not {target.target_fingerprint}; nothing was written",
-                expected=target.target_fingerprint,
-                actual=actual,
-            )
-        try:
-            if durable:  # --fsync: on disk before the rename, as apply --fsync does
-                _fsync_tree(result)
-            install(result, out)
-        except OSError as exc:
-            raise os_error(exc, out) from exc
-    except OutputError as exc:
-        # A full disk while fetching or rebuilding: the file named is a temp of the work
-        # folder, which is removed below; OUT is what the user knows.
-        named = Path(exc.path) if exc.path is not None else None
-        if (
-            work is None
-            or named is None
-            or not (named.is_relative_to(work) or is_temp_of(named, out))
-        ):
-            raise
-        raise error_of_output(exc, out) from None
-    finally:
-        if work is not None:
-            remove(work)
+        finally:
+            if work is not None:
+                remove(work)
     start = (
         f"local copy of step {plan.start.step}"
         if plan.local
